@@ -1,0 +1,183 @@
+"""Build a torchvision classifier, load weights safely, freeze all but the head."""
+import os
+import pickle
+import re
+
+import torch
+import torchvision
+from torch import nn
+
+from multi_train_utils.errors import UserError
+
+HEAD_NAMES = ("fc", "classifier", "heads", "head")  # what torchvision calls a classifier head
+
+
+def create_model(name="resnet34", num_classes=5):
+    """Any torchvision classification model by name (resnet34, resnet101, efficientnet_b0, ...)."""
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        resnets = ", ".join(n for n in available if n.startswith("resnet"))
+        raise UserError(f"--model {name}: not a torchvision classification model; try {resnets}, or one of "
+                        f"torchvision.models.list_models()")
+    kwargs = {"num_classes": num_classes}
+    if name in ("googlenet", "inception_v3"):
+        kwargs.update(aux_logits=False, init_weights=True)
+    return torchvision.models.get_model(name, weights=None, **kwargs)
+
+
+def unwrap_model(model):
+    """The plain module inside DDP / DataParallel / torch.compile wrappers."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def plain_state_dict(model):
+    """The model's weights without ``module.`` or ``_orig_mod.`` prefixes."""
+    return unwrap_model(model).state_dict()
+
+
+def _strip_prefixes(state_dict):
+    pattern = re.compile(r"^(module\.|_orig_mod\.)+")
+    return {pattern.sub("", k): v for k, v in state_dict.items()}
+
+
+def _is_state_dict(obj):
+    return isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+
+
+def load_state_dict_file(path, flag="--weights"):
+    """Read a weights file safely (``weights_only=True``: a file that would run code is refused).
+
+    Accepts a plain state dict or a checkpoint with a ``model`` entry. Returns a state dict
+    with any ``module.``/``_orig_mod.`` prefixes removed.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such file; give the path of a .pth state dict")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{flag} {path}: refused to load: it holds more than tensors and plain types "
+                        f"(loading it could run code). {first}") from None
+    except Exception as e:  # truncated zip, not a torch file, ...
+        raise UserError(f"{flag} {path}: cannot be read as a PyTorch weights file "
+                        f"({type(e).__name__}); it may be truncated or of another format") from None
+    if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
+        obj = obj["model"]
+    if not _is_state_dict(obj):
+        raise UserError(f"{flag} {path}: not a state dict (a dict of parameter names to tensors); "
+                        "save weights with torch.save(model.state_dict(), path)")
+    return _strip_prefixes(obj)
+
+
+def download_torchvision_weights(model_name, weights_name, progress=True):
+    """State dict of torchvision's pretrained weights ``weights_name`` (DEFAULT, IMAGENET1K_V1...)."""
+    try:
+        enum = torchvision.models.get_model_weights(model_name)
+        weights = enum[weights_name] if weights_name != "DEFAULT" else enum.DEFAULT
+    except (KeyError, ValueError):
+        raise UserError(f"--weights {weights_name}: no such file, nor torchvision weights for {model_name}") from None
+    try:
+        return weights.get_state_dict(progress=progress)
+    except Exception as e:  # URLError, timeouts, HTTP errors
+        raise UserError(f"--weights {weights_name}: could not download {weights.url} ({type(e).__name__}); "
+                        "offline? Download that file by hand and pass its path to --weights") from None
+
+
+def read_weights(weights, model_name, progress=True):
+    """Weights given by path, or by torchvision's name for the model's pretrained weights."""
+    if not os.path.exists(weights) and re.fullmatch(r"[A-Z][A-Z0-9_]*", weights):
+        return download_torchvision_weights(model_name, weights, progress)
+    return load_state_dict_file(weights)
+
+
+def load_matching_weights(model, state_dict, source="--weights"):
+    """Load the tensors whose name and shape match; return the names skipped.
+
+    This is how a 1000-class ImageNet checkpoint starts a 5-class model: everything but the
+    head loads.
+    """
+    own = model.state_dict()
+    matching = {k: v for k, v in state_dict.items() if k in own and own[k].shape == v.shape}
+    if not matching:
+        raise UserError(f"{source}: none of its tensors fit this model; pass the --model it was trained as")
+    model.load_state_dict(matching, strict=False)
+    skipped_from_file = sorted(set(state_dict) - set(matching))
+    not_loaded = sorted(set(own) - set(matching))
+    return skipped_from_file, not_loaded
+
+
+def load_exact_weights(model, state_dict, source="--weights"):
+    """Load strictly: every tensor must be there with the right shape (for evaluation)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+    if missing or unexpected or wrong:
+        details = []
+        if wrong:
+            k = wrong[0]
+            details.append(f"{k} is {tuple(state_dict[k].shape)} in the file but {tuple(own[k].shape)} in the model")
+        if missing:
+            details.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+        raise UserError(f"{source} does not match this model exactly: {'; '.join(details)}; "
+                        "pass the --model and --num-classes it was trained with")
+    model.load_state_dict(state_dict, strict=True)
+
+
+def head_name(model):
+    """Name of the classifier head: the last top-level child called fc, classifier, heads or head."""
+    names = [n for n, _ in model.named_children() if n in HEAD_NAMES]
+    if not names:
+        raise UserError("--freeze-layers: this model has no child named fc, classifier, heads or head")
+    return names[-1]
+
+
+def freeze_all_but_head(model):
+    """Train only the classifier head; return its name. Frozen BatchNorm stays in eval mode
+    (see ``set_train_mode``)."""
+    head = head_name(model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.split(".")[0] == head)
+    return head
+
+
+def set_train_mode(model):
+    """``model.train()``, except normalisation layers whose weights are frozen stay in eval
+    mode, so their running statistics are not updated by the new data."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            params = list(module.parameters(recurse=False))
+            if params and not any(p.requires_grad for p in params):
+                module.eval()
+
+
+def count_parameters(model, trainable_only=False):
+    """Number of (trainable) parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def build_model(args, num_classes, weights_state=None, verbose=True):
+    """create_model + initial weights (strict for --eval-only) + --freeze-layers."""
+    model = create_model(args.model, num_classes)
+    if weights_state is not None:
+        if args.eval_only:
+            load_exact_weights(model, weights_state, f"--weights {args.weights}")
+        else:
+            skipped, not_loaded = load_matching_weights(model, weights_state, f"--weights {args.weights}")
+            if verbose:
+                print(f"weights: loaded {len(weights_state) - len(skipped)} tensors from {args.weights}; "
+                      f"skipped {skipped or 'none'}; left at random init {not_loaded or 'none'}")
+    if args.freeze_layers:
+        head = freeze_all_but_head(model)
+        if verbose:
+            print(f"freeze-layers: training only '{head}' ({count_parameters(model, True):,} parameters)")
+    return model

@@ -1,0 +1,220 @@
+"""Process-group set-up for torchrun, torch.distributed.launch, SLURM and plain python.
+
+Rank, world size and local rank come from the environment:
+- torchrun / ``python -m torch.distributed.launch`` set RANK, WORLD_SIZE, LOCAL_RANK,
+  LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; they win whenever they are present (so
+  ``srun torchrun ...`` works too);
+- ``srun python train_multi_gpu.py`` sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the
+  rendezvous address is MASTER_ADDR if set, else the first host of SLURM_NODELIST, else
+  SLURM_LAUNCH_NODE_IPADDR, and the port MASTER_PORT if set, else one derived from
+  SLURM_JOB_ID (so two jobs on one node do not collide);
+- anything else is a single process (world size 1) and no process group is created.
+"""
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from multi_train_utils.errors import UserError
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"  # "torchrun", "slurm" or "none"
+
+    @property
+    def distributed(self):
+        """True when a process group is (to be) initialised."""
+        return self.launcher != "none"
+
+
+def expand_slurm_hostlist(hostlist):
+    """Expand a SLURM hostlist such as ``node[01-03,07],gpu5`` into host names."""
+    hosts = []
+    # Split on commas that are not inside brackets.
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
+        match = re.fullmatch(r"(.*?)\[([^\]]*)\](.*)", part)
+        if not match:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = match.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            for number in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{number:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def _first_int(text, default):
+    """Leading integer of a SLURM count such as '4(x2)'."""
+    match = re.match(r"\d+", text or "")
+    return int(match.group()) if match else default
+
+
+def read_dist_env(local_rank_arg=None):
+    """Read rank, world size and local rank from torchrun's or SLURM's variables.
+
+    For SLURM it also sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT so
+    that ``init_method='env://'`` finds them.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local_rank = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg is not None else 0))
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=local_rank,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        local_world_size = _first_int(env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), 1)
+        if "MASTER_ADDR" not in env:
+            nodes = expand_slurm_hostlist(env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")
+            master = nodes[0] if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR")
+            if not master:
+                raise UserError(
+                    "SLURM job without SLURM_NODELIST or SLURM_LAUNCH_NODE_IPADDR: set MASTER_ADDR "
+                    "to the first node's address"
+                )
+            env["MASTER_ADDR"] = master
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        return DistEnv(rank, world_size, local_rank, local_world_size, launcher="slurm")
+    return DistEnv(local_rank=local_rank_arg or 0)
+
+
+def select_device(requested, local_rank=0, local_world_size=1):
+    """Turn ``--device`` (auto, cpu, cuda, cuda:N, mps) into a torch.device, or explain why not."""
+    if requested == "auto":
+        if torch.cuda.is_available():
+            requested = "cuda"
+        elif torch.backends.mps.is_available() and local_world_size == 1:
+            requested = "mps"
+        else:
+            requested = "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "mps":
+        if not torch.backends.mps.is_available():
+            raise UserError("--device mps: no Apple GPU (MPS) is available here; use --device cpu")
+        return torch.device("mps")
+    if not re.fullmatch(r"cuda(:\d+)?", requested):
+        raise UserError(f"--device {requested}: not a device; use auto, cpu, cuda, cuda:N or mps")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {requested}: no CUDA GPU is visible here; use --device cpu (or auto)")
+    if local_world_size > count:
+        raise UserError(
+            f"{local_world_size} processes per node but only {count} GPU(s) visible: "
+            f"use --nproc_per_node={count} or fewer"
+        )
+    index = int(requested.split(":")[1]) if ":" in requested else local_rank
+    if index >= count:
+        raise UserError(f"--device {requested}: only {count} GPU(s) visible (cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def cpu_cores_available():
+    """Cores this process may run on (respects taskset, cgroups' cpusets and SLURM)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def configure_cpu_threads(device, local_world_size=1):
+    """Give each local process its share of the cores, so N ranks on one CPU don't fight."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, cpu_cores_available() // max(1, local_world_size)))
+
+
+def init_distributed_mode(args, env, device):
+    """Create the default process group when launched by torchrun, launch or SLURM.
+
+    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides. Sets ``args.rank``,
+    ``args.world_size``, ``args.gpu`` and ``args.distributed`` as the tutorial does.
+    """
+    args.rank, args.world_size, args.gpu = env.rank, env.world_size, env.local_rank
+    args.distributed = env.distributed
+    if not env.distributed:
+        return
+    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    args.dist_backend = backend
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=args.dist_url,
+        world_size=env.world_size,
+        rank=env.rank,
+        timeout=timedelta(seconds=args.dist_timeout),
+        device_id=device if backend == "nccl" else None,
+    )
+
+
+def cleanup():
+    """Destroy the process group if one exists (safe to call more than once)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_dist_avail_and_initialized():
+    """True inside an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size():
+    """Number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank():
+    """Global rank of this process (0 without a process group)."""
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process():
+    """Only global rank 0 prints, logs and writes files."""
+    return get_rank() == 0
+
+
+def barrier():
+    """Wait for every rank (no-op for a single process)."""
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor):
+    """Sum a tensor over all ranks in place and return it (no-op for a single process)."""
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def reduce_value(value, average=True):
+    """Sum (or average) a tensor over all ranks and return the result on every rank."""
+    world_size = get_world_size()
+    if world_size < 2:
+        return value
+    with torch.no_grad():
+        value = value.clone()
+        dist.all_reduce(value)
+        if average:
+            value /= world_size
+    return value

@@ -1,0 +1,123 @@
+"""Command-line flags shared by train_single.py and train_multi_gpu.py."""
+import argparse
+import json
+import os
+
+from multi_train_utils.errors import UserError
+
+# What --demo changes, unless given on the command line: a small model and small images so
+# that the demo trains in a few minutes on a laptop CPU.
+DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
+
+# What --eval-only takes from the run that wrote the weights, unless given.
+RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "val_rate", "seed")
+
+
+def get_args_parser(distributed):
+    """The parser of both scripts; ``distributed`` adds the DDP flags, else the single-process ones."""
+    parser = argparse.ArgumentParser(
+        description="Train an image classifier on a folder of class sub-folders"
+        + (" with DistributedDataParallel (launch with torchrun)." if distributed else " on one device."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", default="data/flower_photos", help="folder with one sub-folder of images per class")
+    data.add_argument("--val-path", default=None, help="already-split validation folder (same class folders); then --data-path is all training data")
+    data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
+    data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
+    data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
+    data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores, at most 8)")
+    data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset in data/demo (once) and train on it; also sets {DEMO_DEFAULTS} unless given")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="resnet34", help="torchvision classification model name (resnet34, resnet101, efficientnet_b0, ...)")
+    model.add_argument("--weights", default="", help="initial weights: a .pth state dict (tensors whose shape fits are loaded, e.g. resnet34-333f7ec4.pth without its 1000-class head), or torchvision's weights name such as DEFAULT or IMAGENET1K_V1 (downloads)")
+    model.add_argument("--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the classifier head (fc / classifier / heads)")
+
+    optim = parser.add_argument_group("optimisation")
+    optim.add_argument("--epochs", type=int, default=30, help="number of epochs (counted from 0)")
+    optim.add_argument("--batch-size", type=int, default=16, help="images per step per process")
+    optim.add_argument("--lr", type=float, default=0.001, help="initial learning rate" + (" for one process (multiplied by the world size unless --no-scale-lr)" if distributed else ""))
+    optim.add_argument("--lrf", type=float, default=0.1, help="final learning rate as a fraction of --lr (cosine schedule)")
+    optim.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear learning-rate warm-up before the cosine schedule")
+    optim.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    optim.add_argument("--weight-decay", type=float, default=0.005, help="SGD weight decay")
+    optim.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights, the data order and the augmentations")
+    if distributed:
+        optim.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True, help="multiply --lr by the world size (linear scaling rule)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", default="auto", help="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps")
+    run.add_argument("--output-dir", default="weights", help="where model-{epoch}.pth, metrics.csv, args.json and class_indices.json go")
+    run.add_argument("--log-dir", default="runs", help="TensorBoard logs go into a sub-folder named after the output dir and the start time")
+    run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
+    run.add_argument("--eval-only", action="store_true", help="only evaluate --weights on the validation split and print the accuracy; writes nothing")
+
+    if distributed:
+        ddp = parser.add_argument_group("distributed")
+        ddp.add_argument("--sync-bn", "--syncBN", action=argparse.BooleanOptionalAction, default=None, help="SyncBatchNorm across processes (default: on for GPUs; not supported on CPU)")
+        ddp.add_argument("--dist-backend", default=None, choices=["nccl", "gloo", "mpi"], help="process group backend (default: nccl on GPUs, gloo on CPUs)")
+        ddp.add_argument("--dist-url", default="env://", help="process group init method; env:// reads MASTER_ADDR/MASTER_PORT as set by torchrun")
+        ddp.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective may wait for a missing rank before the job fails")
+        ddp.add_argument("--local-rank", "--local_rank", type=int, default=None, help="set by torch.distributed.launch; the LOCAL_RANK variable wins")
+        ddp.add_argument("--spawn", type=int, default=0, metavar="N", help="start N local processes with torch.multiprocessing.spawn instead of using torchrun")
+    else:
+        parser.add_argument_group("multi-GPU").add_argument("--data-parallel", action="store_true", help="nn.DataParallel over all visible GPUs (DDP via train_multi_gpu.py is faster)")
+    return parser
+
+
+def given_on_command_line(parser, argv):
+    """Names (dests) of the flags the user actually typed."""
+    saved = {action.dest: action.default for action in parser._actions}
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action in parser._actions:
+            action.default = saved[action.dest]
+
+
+def parse_args(parser, argv=None):
+    """Parse flags and fill in --demo's defaults and --eval-only's run settings."""
+    args = parser.parse_args(argv)
+    given = given_on_command_line(parser, argv)
+    if args.demo:
+        for key, value in DEMO_DEFAULTS.items():
+            if key not in given:
+                setattr(args, key, value)
+    args.run_classes = None
+    if args.eval_only:
+        if not args.weights:
+            raise UserError("--eval-only needs --weights PATH (e.g. weights/model-29.pth)")
+        run_dir = os.path.dirname(os.path.abspath(args.weights))
+        args_file = os.path.join(run_dir, "args.json")
+        if os.path.isfile(args_file):
+            with open(args_file) as f:
+                run_args = json.load(f)
+            for key in RUN_SETTINGS:
+                if key not in given and key in run_args:
+                    setattr(args, key, run_args[key])
+        classes_file = os.path.join(run_dir, "class_indices.json")
+        if os.path.isfile(classes_file):
+            from utils import read_class_indices
+
+            args.run_classes = read_class_indices(classes_file)
+    check_numbers(args)
+    return args
+
+
+def check_numbers(args):
+    """Flags that must be positive."""
+    for flag in ("epochs", "batch_size", "img_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.workers is not None and args.workers < 0:
+        raise UserError(f"--workers {args.workers}: must be 0 (load in the main process) or more")
+    if args.lr <= 0:
+        raise UserError(f"--lr {args.lr}: must be positive")
+
+
+def args_to_dict(args):
+    """The flags as JSON-friendly values (for args.json)."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}

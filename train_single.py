@@ -1,0 +1,87 @@
+"""Train an image classifier on one device (GPU if there is one, else CPU).
+
+    python train_single.py --data-path data/flower_photos
+    python train_single.py --demo                # generated data, no download needed
+    python train_single.py --eval-only --weights weights/model-29.pth
+"""
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from model import build_model, count_parameters, read_weights
+from multi_train_utils.checkpoint import check_output_dir
+from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
+from multi_train_utils.errors import run_cli
+from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
+from my_dataset import EpochIndexSampler, ShardSampler
+from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
+
+
+def main(argv=None):
+    args = parse_args(get_args_parser(distributed=False), argv)
+    device = select_device(args.device)
+    configure_cpu_threads(device)
+
+    # Data: split, checks (before anything is built or written), datasets.
+    split = load_data(args)
+    num_classes = len(split.classes)
+    train_set, val_set = build_datasets(split, args)
+    weights_state = read_weights(args.weights, args.model) if args.weights else None
+    if not args.eval_only:
+        check_output_dir(args.output_dir, args.overwrite)
+    print_data_summary(args, split)
+
+    # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
+    # and the same on every rerun with this --seed.
+    train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+    train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
+    val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
+    workers = args.workers if args.workers is not None else default_workers()
+    train_loader = make_loader(train_set, train_batch_sampler, workers, device)
+    val_loader = make_loader(val_set, val_batch_sampler, workers, device)
+
+    torch.manual_seed(args.seed)
+    model = build_model(args, num_classes, weights_state).to(device)
+    if args.data_parallel:
+        model = wrap_data_parallel(model, device)
+
+    if args.eval_only:
+        print_evaluation(evaluate(model, val_loader, device, num_classes), split.classes)
+        return
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf)
+    print(f"device: {device} ({torch.get_num_threads()} threads), model: {args.model} "
+          f"({count_parameters(model):,} parameters), batch: {args.batch_size}, lr: {args.lr}, "
+          f"workers: {workers}", flush=True)
+
+    recorder = RunRecorder(args, split.classes)
+    print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        train_sampler.set_epoch(epoch)
+        train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
+        result = evaluate(model, val_loader, device, num_classes)
+        recorder.end_epoch(epoch, model, train_stats, result, time.perf_counter() - start)
+    recorder.close()
+
+
+def wrap_data_parallel(model, device):
+    """nn.DataParallel over all visible GPUs (one process); DDP is faster and scales further."""
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if count < 2:
+        print(f"warning: --data-parallel needs 2 or more GPUs, {count} visible; training on {device} alone",
+              flush=True)
+        return model
+    print(f"DataParallel over {count} GPUs; DistributedDataParallel (torchrun train_multi_gpu.py) is faster",
+          flush=True)
+    return nn.DataParallel(model)
+
+
+if __name__ == "__main__":
+    run_cli(main)
