@@ -48,14 +48,15 @@ class EvalResult:
 
 
 def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1):
-    """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine from lr to lr * lrf."""
+    """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine from lr down to
+    lr * lrf, reached at the last step."""
     total = max(1, epochs * steps_per_epoch)
     warmup = min(total, warmup_epochs * steps_per_epoch)
 
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
+        progress = (step - warmup) / max(1, total - warmup - 1)
         return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(1.0, progress))) / 2
 
     return LambdaLR(optimizer, factor)

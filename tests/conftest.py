@@ -1,0 +1,165 @@
+"""Shared fixtures: tiny generated image folders and the training runs several tests read.
+
+Every training run is a real subprocess (python, torchrun, torch.distributed.launch); runs
+that several tests read are session-scoped so that each is launched once.
+"""
+import csv
+import os
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from utils import DEMO_CLASSES, _draw_flower  # noqa: E402
+
+PYTHON = sys.executable
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+# Small and fast: a small ResNet on 32 px images; every run also gets its own --log-dir.
+FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4"]
+CLASSES = list(DEMO_CLASSES)
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(extra=None):
+    """This environment without any launcher's variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    env.update(extra or {})
+    return env
+
+
+def run(cmd, timeout=180, env=None, cwd=REPO):
+    """Run a command to completion; return the CompletedProcess (stdout and stderr as text)."""
+    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def script(name):
+    return os.path.join(REPO, name)
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def top1_line(stdout):
+    lines = [l for l in stdout.splitlines() if l.strip()]
+    assert lines, "no output"
+    return lines[-1]
+
+
+def write_class_folder(folder, name, count, rng, size_range=(40, 72), formats=("jpg",)):
+    """``count`` small flower-like images of class ``name`` in ``folder/name``."""
+    petal, centre, petals = DEMO_CLASSES[name]
+    os.makedirs(os.path.join(folder, name), exist_ok=True)
+    for i in range(count):
+        size = (rng.randint(*size_range), rng.randint(*size_range))
+        img = _draw_flower(rng, petal, centre, petals, size)
+        fmt = formats[i % len(formats)]
+        img.save(os.path.join(folder, name, f"{name}_{i:03d}.{fmt}"))
+
+
+def add_odd_files(folder):
+    """Images in other modes and extensions, plus files that must be ignored or skipped."""
+    rng = random.Random(1)
+    daisy = _draw_flower(rng, *DEMO_CLASSES["daisy"], (50, 60))
+    daisy.convert("L").save(os.path.join(folder, "daisy", "gray.PNG"))  # grayscale, upper-case extension
+    daisy.convert("RGBA").save(os.path.join(folder, "daisy", "rgba.png"))
+    roses = _draw_flower(rng, *DEMO_CLASSES["roses"], (64, 48))
+    roses.convert("P", palette=Image.ADAPTIVE).save(os.path.join(folder, "roses", "palette.png"))
+    roses.convert("CMYK").save(os.path.join(folder, "roses", "cmyk.JPEG"))
+    tulips = _draw_flower(rng, *DEMO_CLASSES["tulips"], (56, 56))
+    tulips.save(os.path.join(folder, "tulips", "photo.webp"))
+    _draw_flower(rng, *DEMO_CLASSES["sunflowers"], (60, 50)).save(os.path.join(folder, "sunflowers", "bitmap.bmp"))
+    tulips.save(os.path.join(folder, "tulips", ".hidden.jpg"))  # hidden: ignored
+    with open(os.path.join(folder, "sunflowers", "notes.txt"), "w") as f:  # not an image: ignored
+        f.write("not an image")
+    with open(os.path.join(folder, "dandelion", "broken.jpg"), "wb") as f:  # undecodable: skipped
+        f.write(b"this is not a jpeg")
+    os.makedirs(os.path.join(folder, ".cache"))  # hidden folder: not a class
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A training folder (5 classes, 6 images each + 6 in other modes/formats = 36 images, a
+    number that 2 ranks x batch 2 and 1 rank x batch 4 both use up exactly) and a separate
+    validation folder of exactly 7 images (2, 2, 1, 1, 1)."""
+    root = tmp_path_factory.mktemp("tiny")
+    rng = random.Random(0)
+    train, val = str(root / "train"), str(root / "val")
+    for name in CLASSES:
+        write_class_folder(train, name, 6, rng, formats=("jpg", "png", "jpeg"))
+    add_odd_files(train)
+    for name, count in zip(CLASSES, (2, 2, 1, 1, 1)):
+        write_class_folder(val, name, count, rng)
+    return {"train": train, "val": val, "root": str(root)}
+
+
+def train_args(tiny_data, output_dir, *extra):
+    """Flags of a tiny run on ``tiny_data`` with the 7-image validation folder."""
+    return ["--data-path", tiny_data["train"], "--val-path", tiny_data["val"], *FAST,
+            "--output-dir", str(output_dir), "--log-dir", str(output_dir) + "-tb", *extra]
+
+
+@pytest.fixture(scope="session")
+def single_run(tiny_data, tmp_path_factory):
+    """python train_single.py, 2 epochs, one loader worker."""
+    out = tmp_path_factory.mktemp("single") / "out"
+    result = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "2", "--workers", "1")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {"out": str(out), "result": result}
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tiny_data, tmp_path_factory):
+    """torchrun --nproc_per_node=2 train_multi_gpu.py, 2 epochs."""
+    out = tmp_path_factory.mktemp("ddp") / "out"
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
+                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {"out": str(out), "result": result}
+
+
+def assert_run_outputs(output_dir, epochs, num_classes=5):
+    """The files a finished run leaves: weights per epoch that load strictly, metadata, metrics."""
+    import json
+
+    import torch
+
+    from model import create_model
+
+    for epoch in range(epochs):
+        path = os.path.join(output_dir, f"model-{epoch}.pth")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)
+        create_model("resnet18", num_classes).load_state_dict(state, strict=True)
+    assert not os.path.exists(os.path.join(output_dir, f"model-{epochs}.pth"))
+    with open(os.path.join(output_dir, "class_indices.json")) as f:
+        assert json.load(f) == {str(i): name for i, name in enumerate(CLASSES)}
+    with open(os.path.join(output_dir, "args.json")) as f:
+        assert json.load(f)["epochs"] == epochs
+    with open(os.path.join(output_dir, "metrics.csv")) as f:
+        assert f.readline().strip() == "epoch,train_loss,val_accuracy,lr,images_per_second,epoch_seconds"
+    rows = read_metrics(output_dir)
+    assert [int(r["epoch"]) for r in rows] == list(range(epochs))
+    for r in rows:
+        assert 0 < float(r["train_loss"]) < 10
+        assert 0 <= float(r["val_accuracy"]) <= 1
+        assert float(r["images_per_second"]) > 0 and float(r["epoch_seconds"]) > 0
+    # cosine schedule: the learning rate goes down epoch by epoch
+    lrs = [float(r["lr"]) for r in rows]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    return rows

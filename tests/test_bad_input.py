@@ -1,0 +1,173 @@
+"""Bad input: one line naming the input and the fix, exit code 2, no traceback, nothing
+written. Each case is a real process, as a user would start it."""
+import os
+import pickle
+
+import pytest
+import torch
+
+from conftest import FAST, PYTHON, run, script, write_class_folder
+
+
+class CreatesMarker:
+    """A pickle that would create a file when unpickled (what weights_only=True must refuse)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _folder_with_classes(root, counts):
+    import random
+
+    rng = random.Random(0)
+    names = ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    for name, count in zip(names, counts):
+        write_class_folder(str(root), name, count, rng)
+        if count == 0:
+            open(os.path.join(root, name, "readme.txt"), "w").close()
+    return str(root)
+
+
+def case_missing_data_path(tmp, data):
+    return ["--data-path", str(tmp / "nope")], ["--data-path", "no such folder", "flower_photos.tgz"]
+
+
+def case_data_path_is_a_file(tmp, data):
+    (tmp / "file.jpg").write_bytes(b"x")
+    return ["--data-path", str(tmp / "file.jpg")], ["--data-path", "not a folder"]
+
+
+def case_no_class_folders(tmp, data):
+    (tmp / "empty").mkdir()
+    return ["--data-path", str(tmp / "empty")], ["no class folders inside"]
+
+
+def case_class_folder_without_images(tmp, data):
+    return ["--data-path", _folder_with_classes(tmp / "d", [3, 0])], ["class folder 'dandelion' has no images"]
+
+
+def case_one_class(tmp, data):
+    return ["--data-path", _folder_with_classes(tmp / "d", [4])], ["found 1 class folder (daisy)", "at least 2"]
+
+
+def case_num_classes_mismatch(tmp, data):
+    return ["--data-path", data["train"], "--num-classes", "4"], ["--num-classes 4", "has 5 class folders"]
+
+
+def case_empty_validation_split(tmp, data):
+    return ["--data-path", data["train"], "--val-rate", "0.01"], ["--val-rate 0.01", "is empty", "--val-path"]
+
+
+def case_val_path_with_other_classes(tmp, data):
+    return (["--data-path", data["train"], "--val-path", _folder_with_classes(tmp / "v", [1, 1])],
+            ["--val-path", "differ from --data-path's"])
+
+
+def case_batch_larger_than_the_split(tmp, data):
+    return (["--data-path", data["train"], "--val-path", data["val"], "--batch-size", "37"],
+            ["--batch-size 37", "only 36 of the 36 training images", "--batch-size 36 or less"])
+
+
+def case_weights_missing(tmp, data):
+    return ["--data-path", data["train"], "--weights", str(tmp / "none.pth")], ["--weights", "no such file"]
+
+
+def case_weights_not_a_state_dict(tmp, data):
+    torch.save([1, 2, 3], tmp / "list.pth")
+    return ["--data-path", data["train"], "--weights", str(tmp / "list.pth")], ["not a state dict"]
+
+
+def case_weights_that_would_run_code(tmp, data):
+    with open(tmp / "evil.pth", "wb") as f:
+        pickle.dump(CreatesMarker(str(tmp / "MARKER")), f)
+    return ["--data-path", data["train"], "--weights", str(tmp / "evil.pth")], ["refused to load", "could run code"]
+
+
+def case_weights_truncated(tmp, data):
+    from model import create_model
+
+    torch.save(create_model("resnet18", 5).state_dict(), tmp / "full.pth")
+    blob = (tmp / "full.pth").read_bytes()
+    (tmp / "cut.pth").write_bytes(blob[: len(blob) // 2])
+    return ["--data-path", data["train"], "--weights", str(tmp / "cut.pth")], ["cannot be read", "truncated"]
+
+
+def case_cuda_without_gpu(tmp, data):
+    return ["--data-path", data["train"], "--device", "cuda"], ["--device cuda: no CUDA GPU is visible here"]
+
+
+def case_eval_only_without_weights(tmp, data):
+    return ["--data-path", data["train"], "--eval-only"], ["--eval-only needs --weights"]
+
+
+def case_unknown_model(tmp, data):
+    return ["--data-path", data["train"], "--model", "resnet9000"], ["--model resnet9000", "resnet18"]
+
+
+def case_boolean_flag_given_a_value(tmp, data):
+    # the tutorial's type=bool made "--freeze-layers False" mean True
+    return ["--data-path", data["train"], "--freeze-layers", "False"], ["unrecognized arguments: False"]
+
+
+def case_torchvision_weights_offline(tmp, data):
+    return ["--data-path", data["train"], "--weights", "IMAGENET1K_V1"], ["--weights IMAGENET1K_V1: could not download",
+                                                                          "resnet18-", "pass its path"]
+
+
+CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__[5:] for c in CASES])
+def test_bad_input_single(case, tiny_data, tmp_path):
+    argv, expected = case(tmp_path, tiny_data)
+    out = tmp_path / "out"
+    env = {"TORCH_HOME": str(tmp_path / "torch_home"),  # empty cache, and no network:
+           "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    result = run([PYTHON, script("train_single.py"), *FAST, *argv, "--workers", "0", "--output-dir", str(out),
+                  "--log-dir", str(tmp_path / "tb")], env=env, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "error:" in last
+    for text in expected:
+        assert text in last, last
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not out.exists() and not (tmp_path / "tb").exists()
+    assert not (tmp_path / "MARKER").exists()
+
+
+def test_batch_larger_than_a_ranks_share(tiny_data, tmp_path):
+    """36 images over 2 ranks: 18 each. Checked before the process group starts."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    result = run([PYTHON, script("train_multi_gpu.py"), *FAST, "--data-path", tiny_data["train"], "--val-path",
+                  tiny_data["val"], "--batch-size", "19", "--output-dir", str(tmp_path / "out")], env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: --batch-size 19: each of the 2 process(es) gets only 18 of the 36 "
+                                     "training images; use --batch-size 18 or less")
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_image_is_named(tiny_data, tmp_path):
+    """A file whose header reads but whose pixels are cut off stops the run with its name,
+    raised in a loader worker. (It sits in the validation set, which reads every image.)"""
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+
+    val = tmp_path / "val"
+    shutil.copytree(tiny_data["val"], val)
+    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / "full.jpg")
+    blob = (tmp_path / "full.jpg").read_bytes()
+    (val / "roses" / "truncated.jpg").write_bytes(blob[: len(blob) * 6 // 10])
+    result = run([PYTHON, script("train_single.py"), *FAST, "--data-path", tiny_data["train"], "--val-path", str(val),
+                  "--epochs", "1", "--workers", "1", "--output-dir", str(tmp_path / "out"),
+                  "--log-dir", str(tmp_path / "tb")])
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot decode image {val / 'roses' / 'truncated.jpg'}"), last
+    assert "delete or replace the file" in last
+    assert "Traceback" not in result.stderr

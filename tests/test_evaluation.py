@@ -1,0 +1,62 @@
+"""Exact evaluation: every validation image counted once at any world size; --eval-only
+reproduces the run's own figures and writes nothing."""
+import os
+import re
+
+import pytest
+import torch
+
+from conftest import PYTHON, TORCHRUN, free_port, read_metrics, run, script, top1_line
+
+
+def snapshot(folder):
+    return {name: os.stat(os.path.join(folder, name)).st_mtime_ns for name in os.listdir(folder)}
+
+
+def eval_only(weights, world_size, script_name="train_multi_gpu.py", *extra):
+    """--eval-only with nothing but the weights: the rest comes from the run's args.json."""
+    if world_size == 1:
+        cmd = [PYTHON, script(script_name)]
+    else:
+        cmd = [*TORCHRUN, f"--nproc_per_node={world_size}", "--master_port", str(free_port()), script(script_name)]
+    result = run(cmd + ["--eval-only", "--weights", weights, "--workers", "0", *extra])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_same_exact_accuracy_at_world_size_1_2_3_4(single_run):
+    out = single_run["out"]
+    weights = os.path.join(out, "model-1.pth")
+    before, tb_before = snapshot(out), os.listdir(out + "-tb")
+    outputs = {ws: eval_only(weights, ws) for ws in (1, 2, 3, 4)}
+    outputs["single"] = eval_only(weights, 1, "train_single.py")
+    lines = {key: top1_line(stdout) for key, stdout in outputs.items()}
+    expected = float(read_metrics(out)[-1]["val_accuracy"])
+    correct = round(expected * 7)
+    assert set(lines.values()) == {f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"}, lines
+    # per-class lines: 5 of them, adding up to the total
+    per_class = re.findall(r"^  (\w+)\s+[\d.]+ \((\d+)/(\d+)\)$", outputs[2], flags=re.M)
+    assert [name for name, _, _ in per_class] == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    assert sum(int(c) for _, c, _ in per_class) == correct
+    assert [int(t) for _, _, t in per_class] == [2, 2, 1, 1, 1]
+    # nothing written: not in the run's folder, no TensorBoard logs
+    assert snapshot(out) == before and os.listdir(out + "-tb") == tb_before
+
+
+def test_ddp_run_weights_reproduce_its_metrics(ddp_run):
+    weights = os.path.join(ddp_run["out"], "model-1.pth")
+    correct = round(float(read_metrics(ddp_run["out"])[-1]["val_accuracy"]) * 7)
+    assert top1_line(eval_only(weights, 2)) == f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
+
+
+def test_eval_only_refuses_a_mismatched_head(tiny_data, tmp_path):
+    """Strict loading: weights of a 3-class model never evaluate as a 5-class classifier."""
+    from model import create_model
+
+    weights = tmp_path / "three_classes.pth"
+    torch.save(create_model("resnet18", 3).state_dict(), weights)
+    result = run([PYTHON, script("train_single.py"), "--eval-only", "--weights", str(weights), "--model", "resnet18",
+                  "--data-path", tiny_data["train"], "--workers", "0"])
+    assert result.returncode == 2
+    assert "does not match this model exactly: fc.bias is (3,) in the file but (5,) in the model" in result.stderr
+    assert "Traceback" not in result.stderr and "top1" not in result.stdout

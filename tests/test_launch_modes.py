@@ -1,0 +1,131 @@
+"""Every way of starting training, end to end on CPU: files written and metrics rows."""
+import glob
+import os
+
+import pytest
+import torch
+
+from conftest import (PYTHON, TORCHRUN, assert_run_outputs, free_port, read_metrics, run, script,
+                      subprocess_env, train_args)
+
+
+def test_python_train_single(single_run):
+    rows = assert_run_outputs(single_run["out"], epochs=2)
+    stdout = single_run["result"].stdout
+    # 30 + 6 images in other modes and formats; the broken one skipped, hidden and .txt files ignored
+    assert "split: 36 train, 7 val images" in stdout
+    assert "broken.jpg: not a readable image" in stdout
+    assert ".hidden" not in stdout and "notes.txt" not in stdout
+    # val accuracy is counted over exactly the 7 validation images
+    assert all(abs(float(r["val_accuracy"]) * 7 - round(float(r["val_accuracy"]) * 7)) < 1e-4 for r in rows)
+    assert "(1 threads)" not in stdout  # one process gets all the cores
+    # TensorBoard events from rank 0
+    assert glob.glob(single_run["out"] + "-tb/*/events.out.tfevents.*")
+
+
+def test_torchrun_two_processes(ddp_run):
+    assert_run_outputs(ddp_run["out"], epochs=2)
+    stdout = ddp_run["result"].stdout
+    assert "world size: 2 (torchrun, backend gloo)" in stdout
+    assert stdout.count("split: 36 train, 7 val images") == 1  # only rank 0 prints
+    assert "batch: 4 per process, 8 in all" in stdout
+    assert "lr: 0.002" in stdout  # 0.001 scaled by the world size
+    assert "(1 threads)" in stdout  # 2 cores shared by 2 processes
+    assert len(glob.glob(ddp_run["out"] + "-tb/*")) == 1  # one TensorBoard writer
+
+
+def test_torch_distributed_launch(tiny_data, tmp_path):
+    """The deprecated launcher passes --local-rank=K; the script accepts it."""
+    out = tmp_path / "out"
+    result = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
+                  script("train_multi_gpu.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size: 2" in result.stdout
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_multi_gpu_script_without_launcher(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    result = run([PYTHON, script("train_multi_gpu.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size: 1 (none" in result.stdout
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_two_nodes_of_one_process(tiny_data, tmp_path):
+    """torchrun --nnodes=2 as two invocations on 127.0.0.1; only global rank 0 writes."""
+    import subprocess
+
+    out, port = tmp_path / "out", str(free_port())
+    env = subprocess_env()
+    procs = [
+        subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1",
+                          "--master_addr=127.0.0.1", f"--master_port={port}", script("train_multi_gpu.py"),
+                          *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for r in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "world size: 2 (torchrun" in outputs[0]
+    assert "split:" not in outputs[1]  # node 1 holds rank 1: silent
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_slurm_environment(tiny_data, tmp_path):
+    """srun python train_multi_gpu.py: rank, world size and address from SLURM_* variables."""
+    import subprocess
+
+    out, port = tmp_path / "out", str(free_port())
+    procs = [subprocess_env(dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                                 SLURM_NTASKS_PER_NODE="2", SLURM_NODELIST="localhost", SLURM_JOB_ID="4242",
+                                 MASTER_PORT=port))
+             for rank in (0, 1)]
+    handles = [subprocess.Popen([PYTHON, script("train_multi_gpu.py"),
+                                 *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+               for env in procs]
+    outputs = [h.communicate(timeout=180)[0] for h in handles]
+    assert [h.returncode for h in handles] == [0, 0], outputs
+    assert "world size: 2 (slurm, backend gloo)" in outputs[0]
+    assert "(1 threads)" in outputs[0]  # SLURM_NTASKS_PER_NODE=2 on 2 cores
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_data_parallel_flag_on_cpu(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    result = run([PYTHON, script("train_single.py"), "--data-parallel",
+                  *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning: --data-parallel needs 2 or more GPUs, 0 visible" in result.stdout
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_spawn_two_processes(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    result = run([PYTHON, script("train_multi_gpu.py"), "--spawn", "2",
+                  *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world size: 2 (torchrun" in result.stdout
+    assert_run_outputs(str(out), epochs=1)
+
+
+def test_demo_generates_data_and_learns(tmp_path):
+    """--demo writes a learnable dataset once and trains on it: far above chance (0.2)."""
+    data, out = tmp_path / "demo", tmp_path / "out"
+    cmd = [PYTHON, script("train_single.py"), "--demo", "--data-path", str(data), "--img-size", "48",
+           "--epochs", "3", "--workers", "1", "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")]
+    result = run(cmd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    classes = sorted(os.listdir(data))
+    assert classes == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
+    assert all(len(os.listdir(data / c)) == 60 for c in classes)
+    rows = read_metrics(str(out))
+    assert len(rows) == 3
+    assert float(rows[-1]["val_accuracy"]) >= 0.6, rows
+    # a second --demo run reuses the data as it is
+    stamp = os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns
+    from utils import make_demo_dataset
+
+    make_demo_dataset(str(data))
+    assert os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns == stamp

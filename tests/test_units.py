@@ -1,0 +1,165 @@
+"""In-process checks of the pieces: split, dataset, samplers, schedule, environment, flags."""
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import CLASSES
+
+
+def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny_data, monkeypatch):
+    from utils import read_split_data
+
+    first = read_split_data(tiny_data["train"], val_rate=0.34, seed=3)
+    random.seed(123)
+    torch.manual_seed(123)
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: iter(reversed(list(real_scandir(p)))))
+    second = read_split_data(tiny_data["train"], val_rate=0.34, seed=3)
+    assert first == second
+    assert first.classes == CLASSES
+    # round(n * 0.34) of each class: 8 -> 3, 6 -> 2, 8 -> 3, 7 -> 2, 7 -> 2 (broken.jpg skipped)
+    per_class = [first.val_images_label.count(i) for i in range(5)]
+    assert per_class == [3, 2, 3, 2, 2]
+    assert not set(first.train_images_path) & set(first.val_images_path)
+    assert len(first.train_images_path) + len(first.val_images_path) == 36
+    assert [os.path.basename(p) for p in first.skipped] == ["broken.jpg"]
+    other_seed = read_split_data(tiny_data["train"], val_rate=0.34, seed=4)
+    assert other_seed.val_images_path != first.val_images_path
+
+
+def test_every_image_mode_becomes_rgb(tiny_data):
+    from my_dataset import MyDataSet
+    from utils import build_transforms, read_split_data
+
+    split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
+    odd = [i for i, p in enumerate(split.train_images_path)
+           if os.path.basename(p) in ("gray.PNG", "rgba.png", "palette.png", "cmyk.JPEG", "photo.webp", "bitmap.bmp")]
+    assert len(odd) == 6
+    train_tf, val_tf = build_transforms(40)
+    dataset = MyDataSet(split.train_images_path, split.train_images_label, train_tf, seed=0)
+    for i in odd:
+        image, label = dataset[i]
+        assert image.shape == (3, 40, 40) and image.dtype == torch.float32
+    # augmentation drawn from (seed, epoch, index): repeatable, and new every epoch
+    assert torch.equal(dataset[(2, odd[0])][0], dataset[(2, odd[0])][0])
+    assert not torch.equal(dataset[(2, odd[0])][0], dataset[(3, odd[0])][0])
+
+
+def test_shard_sampler_covers_each_index_once():
+    from my_dataset import ShardSampler
+
+    for world_size in (1, 2, 3, 4, 8):
+        shards = [list(ShardSampler(7, r, world_size)) for r in range(world_size)]
+        assert sorted(i for s in shards for i in s) == list(range(7))
+
+
+def test_lr_schedule_warms_up_then_follows_cosine_to_lrf():
+    from multi_train_utils.train_eval_utils import create_lr_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = create_lr_scheduler(optimizer, steps_per_epoch=10, epochs=5, warmup_epochs=1, lrf=0.1)
+    lrs = []
+    for _ in range(50):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(0.01) and lrs[9] == pytest.approx(0.1)  # linear warm-up
+    assert lrs[10] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(0.01)  # lr * lrf at the last step
+
+
+def test_slurm_hostlists():
+    from multi_train_utils.distributed_utils import expand_slurm_hostlist
+
+    assert expand_slurm_hostlist("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
+    assert expand_slurm_hostlist("a1,gpu[9-10]x,b") == ["a1", "gpu9x", "gpu10x", "b"]
+    assert expand_slurm_hostlist("localhost") == ["localhost"]
+
+
+def _clean_env(monkeypatch):
+    """Remove launcher variables; monkeypatch also undoes what read_dist_env sets later."""
+    keys = [k for k in os.environ if k.startswith("SLURM_")]
+    for key in keys + ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+def test_slurm_variables_give_rank_address_and_port(monkeypatch):
+    from multi_train_utils.distributed_utils import read_dist_env
+
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_NODELIST", "gpu[03-04]")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    env = read_dist_env()
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (5, 8, 1, 4, "slurm")
+    assert os.environ["MASTER_ADDR"] == "gpu03"
+    assert os.environ["MASTER_PORT"] == str(15000 + 123456 % 20000)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+
+
+def test_torchrun_variables_win_over_slurm(monkeypatch):
+    from multi_train_utils.distributed_utils import read_dist_env
+
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(key, value)
+    env = read_dist_env(local_rank_arg=7)
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 4, 1, "torchrun")
+
+
+def test_no_launcher_is_a_single_process(monkeypatch):
+    from multi_train_utils.distributed_utils import read_dist_env
+
+    _clean_env(monkeypatch)
+    env = read_dist_env()
+    assert (env.rank, env.world_size, env.distributed) == (0, 1, False)
+
+
+def test_more_processes_than_gpus_is_an_error(monkeypatch):
+    from multi_train_utils import distributed_utils
+    from multi_train_utils.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert distributed_utils.select_device("auto", local_rank=1, local_world_size=2) == torch.device("cuda", 1)
+    with pytest.raises(UserError, match="4 processes per node but only 2 GPU"):
+        distributed_utils.select_device("auto", local_rank=3, local_world_size=4)
+
+
+def test_boolean_flags_and_aliases():
+    from multi_train_utils.options import get_args_parser, given_on_command_line, parse_args
+
+    parser = get_args_parser(distributed=True)
+    args = parse_args(parser, ["--syncBN", "--no-freeze-layers", "--num_classes", "5", "--local_rank=2"])
+    assert (args.sync_bn, args.freeze_layers, args.num_classes, args.local_rank) == (True, False, 5, 2)
+    assert parse_args(parser, ["--no-sync-bn", "--local-rank=1"]).sync_bn is False
+    assert parse_args(parser, []).sync_bn is None  # decided by the device
+    assert given_on_command_line(parser, ["--epochs", "3", "--demo"]) == {"epochs", "demo"}
+    demo = parse_args(parser, ["--demo", "--epochs", "5"])
+    assert (demo.epochs, demo.model, demo.data_path) == (5, "resnet18", "data/demo")
+    for flag in ("--sync-bn", "--dist-backend", "--dist-url", "--local-rank", "--scale-lr", "--spawn"):
+        assert flag in parser.format_help()
+    single = get_args_parser(distributed=False).format_help()
+    assert "--data-parallel" in single and "--sync-bn" not in single
+
+
+@pytest.mark.parametrize("name", ["fc", "classifier", "heads"])
+def test_freeze_finds_the_head_of_any_architecture(name):
+    from model import create_model, freeze_all_but_head, set_train_mode
+
+    model = create_model({"fc": "resnet18", "classifier": "mobilenet_v3_small", "heads": "vit_b_16"}[name], 3)
+    assert freeze_all_but_head(model) == name
+    trainable = {n.split(".")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name}
+    set_train_mode(model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert all(not m.training for m in norms)
