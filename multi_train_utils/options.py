@@ -13,25 +13,38 @@ DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, 
 RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "val_rate", "seed")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to each flag's help unless the help already says its default."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _demo_defaults_text():
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_DEFAULTS.items())
+
+
 def get_args_parser(distributed):
     """The parser of both scripts; ``distributed`` adds the DDP flags, else the single-process ones."""
     parser = argparse.ArgumentParser(
         description="Train an image classifier on a folder of class sub-folders"
         + (" with DistributedDataParallel (launch with torchrun)." if distributed else " on one device."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default="data/flower_photos", help="folder with one sub-folder of images per class")
-    data.add_argument("--val-path", default=None, help="already-split validation folder (same class folders); then --data-path is all training data")
+    data.add_argument("--val-path", default=None, help="already-split validation folder (same class folders); then --data-path is all training data (default: split --data-path)")
     data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
     data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores, at most 8)")
-    data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset in data/demo (once) and train on it; also sets {DEMO_DEFAULTS} unless given")
+    data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset (once) and train on it; sets {_demo_defaults_text()} unless given")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default="resnet34", help="torchvision classification model name (resnet34, resnet101, efficientnet_b0, ...)")
-    model.add_argument("--weights", default="", help="initial weights: a .pth state dict (tensors whose shape fits are loaded, e.g. resnet34-333f7ec4.pth without its 1000-class head), or torchvision's weights name such as DEFAULT or IMAGENET1K_V1 (downloads)")
+    model.add_argument("--weights", default="", help="initial weights (default: none, random init): a .pth state dict (tensors whose shape fits are loaded, e.g. resnet34-333f7ec4.pth without its 1000-class head), or torchvision's weights name such as DEFAULT or IMAGENET1K_V1 (downloads)")
     model.add_argument("--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the classifier head (fc / classifier / heads)")
 
     optim = parser.add_argument_group("optimisation")
@@ -59,8 +72,8 @@ def get_args_parser(distributed):
         ddp.add_argument("--dist-backend", default=None, choices=["nccl", "gloo", "mpi"], help="process group backend (default: nccl on GPUs, gloo on CPUs)")
         ddp.add_argument("--dist-url", default="env://", help="process group init method; env:// reads MASTER_ADDR/MASTER_PORT as set by torchrun")
         ddp.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective may wait for a missing rank before the job fails")
-        ddp.add_argument("--local-rank", "--local_rank", type=int, default=None, help="set by torch.distributed.launch; the LOCAL_RANK variable wins")
-        ddp.add_argument("--spawn", type=int, default=0, metavar="N", help="start N local processes with torch.multiprocessing.spawn instead of using torchrun")
+        ddp.add_argument("--local-rank", "--local_rank", type=int, default=None, help="set by torch.distributed.launch (default: none); the LOCAL_RANK variable wins")
+        ddp.add_argument("--spawn", type=int, default=0, metavar="N", help="start N local processes with torch.multiprocessing.spawn instead of using torchrun (default: 0, off)")
     else:
         parser.add_argument_group("multi-GPU").add_argument("--data-parallel", action="store_true", help="nn.DataParallel over all visible GPUs (DDP via train_multi_gpu.py is faster)")
     return parser
