@@ -3,7 +3,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Sampler
 
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import RankError
 
 
 def load_rgb(path):
@@ -25,7 +25,7 @@ def load_rgb(path):
                 img = img.point(lambda v: v / 256).convert("L")
             return img.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:
-        raise UserError(f"cannot decode image {path} ({e}); delete or replace the file") from None
+        raise RankError(f"cannot decode image {path} ({e}); delete or replace the file") from None
 
 
 class MyDataSet(Dataset):

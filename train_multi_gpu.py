@@ -21,9 +21,9 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import build_model, count_parameters, read_weights
 from multi_train_utils.checkpoint import check_output_dir
-from multi_train_utils.distributed_utils import (cleanup, configure_cpu_threads, init_distributed_mode,
-                                                 read_dist_env, select_device)
-from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.distributed_utils import (check_on_every_rank, cleanup, configure_cpu_threads,
+                                                 init_distributed_mode, read_dist_env, select_device)
+from multi_train_utils.errors import run_cli
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
@@ -34,101 +34,101 @@ from utils import build_datasets, default_workers, load_data, make_loader, print
 def main(argv=None):
     args = parse_args(get_args_parser(distributed=True), argv)
     if args.spawn and "RANK" not in os.environ:
-        return spawn_processes(args.spawn, argv)
+        return spawn_processes(args, argv)
     env = read_dist_env(args.local_rank)
     device = select_device(args.device, env.local_rank, env.local_world_size)
     configure_cpu_threads(device, env.local_world_size)
     is_main = env.rank == 0
 
-    # Data: every rank splits and checks the same way, before anything is built or written.
-    split = load_data(args, env.local_rank, env.world_size)
-    num_classes = len(split.classes)
-    train_set, val_set = build_datasets(split, args)
-    weights_state = read_weights(args.weights, args.model, progress=is_main) if args.weights else None
-    if not args.eval_only:
-        check_output_dir(args.output_dir, args.overwrite)
-    if is_main:
-        print_data_summary(args, split)
-
     # 1. Process group (none for a single process started without a launcher).
     init_distributed_mode(args, env, device)
     try:
-        train(args, env, device, split, train_set, val_set, weights_state)
+        # Data: every rank splits and checks the same input; if any rank finds a problem,
+        # all stop here, before anything is built or written.
+        def check_input():
+            split = load_data(args, env.local_rank, env.world_size)
+            weights = read_weights(args.weights, args.model, progress=is_main) if args.weights else None
+            if not args.eval_only:
+                check_output_dir(args.output_dir, args.overwrite)
+            return split, weights
+
+        split, weights_state = check_on_every_rank(check_input, device)
+        num_classes = len(split.classes)
+        train_set, val_set = build_datasets(split, args)
+        if is_main:
+            print_data_summary(args, split)
+
+        # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
+        #    validation is sharded without padding so every image counts exactly once.
+        train_sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed)
+        train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
+        val_batch_sampler = BatchSampler(ShardSampler(len(val_set), env.rank, env.world_size), args.batch_size,
+                                         drop_last=False)
+        workers = args.workers if args.workers is not None else default_workers(env.local_world_size)
+        train_loader = make_loader(train_set, train_batch_sampler, workers, device)
+        val_loader = make_loader(val_set, val_batch_sampler, workers, device)
+
+        torch.manual_seed(args.seed)
+        model = build_model(args, num_classes, weights_state, verbose=is_main)  # freezes before the DDP wrap
+
+        # 3. SyncBatchNorm: batch statistics over all GPUs. torch has it for GPUs only.
+        if args.sync_bn is None:
+            args.sync_bn = device.type == "cuda" and args.distributed
+        if args.sync_bn and device.type != "cuda":
+            if is_main:
+                print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
+            args.sync_bn = False
+        if args.sync_bn and args.distributed:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(device)
+
+        if args.eval_only:
+            result = evaluate(model, val_loader, device, num_classes)
+            if is_main:
+                print_evaluation(result, split.classes)
+            return
+
+        # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.
+        if args.distributed:
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+        lr = args.lr * env.world_size if args.scale_lr else args.lr
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf)
+        if is_main:
+            print(f"world size: {env.world_size} ({env.launcher}, backend "
+                  f"{args.dist_backend if args.distributed else '-'}), device: {device} "
+                  f"({torch.get_num_threads()} threads), model: {args.model} ({count_parameters(model):,} "
+                  f"parameters), batch: {args.batch_size} per process, {args.batch_size * env.world_size} in all, "
+                  f"lr: {lr:g}, workers: {workers}", flush=True)
+
+        recorder = RunRecorder(args, split.classes, enabled=is_main)  # 7. only rank 0 writes files
+        if is_main:
+            print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
+        for epoch in range(args.epochs):
+            start = time.perf_counter()
+            train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
+            # 6. train_one_epoch averages the loss over ranks with reduce_value for display
+            train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
+            result = evaluate(model, val_loader, device, num_classes)
+            recorder.end_epoch(epoch, model, train_stats, result, time.perf_counter() - start)
+        recorder.close()
     finally:
         cleanup()  # 8. every process leaves the process group, also on error
 
 
-def train(args, env, device, split, train_set, val_set, weights_state):
-    is_main = env.rank == 0
-    num_classes = len(split.classes)
-
-    # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
-    #    validation is sharded without padding so every image counts exactly once.
-    train_sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed)
-    train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
-    val_batch_sampler = BatchSampler(ShardSampler(len(val_set), env.rank, env.world_size), args.batch_size,
-                                     drop_last=False)
-    workers = args.workers if args.workers is not None else default_workers(env.local_world_size)
-    train_loader = make_loader(train_set, train_batch_sampler, workers, device)
-    val_loader = make_loader(val_set, val_batch_sampler, workers, device)
-
-    torch.manual_seed(args.seed)
-    model = build_model(args, num_classes, weights_state, verbose=is_main)  # freezes before DDP wraps it
-
-    # 3. SyncBatchNorm: batch statistics over all GPUs. torch has it for GPUs only.
-    if args.sync_bn is None:
-        args.sync_bn = device.type == "cuda" and args.distributed
-    if args.sync_bn and device.type != "cuda":
-        if is_main:
-            print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
-        args.sync_bn = False
-    if args.sync_bn and args.distributed:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model.to(device)
-
-    if args.eval_only:
-        result = evaluate(model, val_loader, device, num_classes)
-        if is_main:
-            print_evaluation(result, split.classes)
-        return
-
-    # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.
-    if args.distributed:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    lr = args.lr * env.world_size if args.scale_lr else args.lr
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf)
-    if is_main:
-        print(f"world size: {env.world_size} ({env.launcher}, backend {args.dist_backend if args.distributed else '-'}), "
-              f"device: {device} ({torch.get_num_threads()} threads), model: {args.model} "
-              f"({count_parameters(model):,} parameters), batch: {args.batch_size} per process, "
-              f"{args.batch_size * env.world_size} in all, lr: {lr:g}, workers: {workers}", flush=True)
-
-    recorder = RunRecorder(args, split.classes, enabled=is_main)  # 7. only rank 0 writes files
-    if is_main:
-        print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
-    for epoch in range(args.epochs):
-        start = time.perf_counter()
-        train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
-        # 6. train_one_epoch averages the loss over ranks with reduce_value for display
-        train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
-        result = evaluate(model, val_loader, device, num_classes)
-        recorder.end_epoch(epoch, model, train_stats, result, time.perf_counter() - start)
-    recorder.close()
-
-
-def spawn_processes(nprocs, argv):
-    """--spawn N: start N local processes with torch.multiprocessing.spawn (no launcher)."""
+def spawn_processes(args, argv):
+    """--spawn N: check the input, then start N local processes with torch.multiprocessing.spawn."""
+    load_data(args, world_size=args.spawn)  # bad input fails here, once, before any process starts
     argv = sys.argv[1:] if argv is None else argv
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.spawn(_spawned_process, args=(nprocs, port, argv), nprocs=nprocs, join=True)
-    except mp.ProcessExitedException as e:
-        raise UserError(f"--spawn {nprocs}: process {e.error_index} exited with code {e.exit_code}") from None
+        mp.spawn(_spawned_process, args=(args.spawn, port, argv), nprocs=args.spawn, join=True)
+    except mp.ProcessExitedException as e:  # the process printed its own error
+        sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
 
 
 def _spawned_process(local_rank, nprocs, port, argv):

@@ -78,9 +78,10 @@ def wrap_data_parallel(model, device):
         print(f"warning: --data-parallel needs 2 or more GPUs, {count} visible; training on {device} alone",
               flush=True)
         return model
-    print(f"DataParallel over {count} GPUs; DistributedDataParallel (torchrun train_multi_gpu.py) is faster",
+    device_ids = list(range(device.index or 0, count))  # the model sits on the first of them
+    print(f"DataParallel over GPUs {device_ids}; DistributedDataParallel (torchrun train_multi_gpu.py) is faster",
           flush=True)
-    return nn.DataParallel(model)
+    return nn.DataParallel(model, device_ids=device_ids)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,11 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None, class_indices_dir
             members = [p for p, y in zip(images, labels) if y == label]
             rng.shuffle(members)
             n_val = int(round(len(members) * val_rate))
+            if n_val and n_val == len(members):
+                raise UserError(
+                    f"--val-rate {val_rate}: class {classes[label]!r} has only {len(members)} image(s), all of "
+                    "them would go to validation; lower --val-rate or add images"
+                )
             val_set = set(members[:n_val])
             for path in sorted(members):
                 if path in val_set:
@@ -188,12 +193,14 @@ def make_loader(dataset, batch_sampler, workers, device):
 
 def default_workers(local_world_size=1):
     """Loader workers per process: this process's share of the cores, at most 8."""
-    from multi_train_utils.distributed_utils import cpu_cores_available
+    from multi_train_utils.distributed_utils import cores_per_process
 
-    return max(1, min(8, cpu_cores_available() // max(1, local_world_size)))
+    return min(8, cores_per_process(local_world_size))
 
 
 # --- The offline demo dataset -------------------------------------------------------------
+
+DEMO_MARKER = "GENERATED_BY_DEMO.txt"  # a file, so not a class folder
 
 DEMO_CLASSES = {
     # name: (petal colour, centre colour, number of petals)
@@ -253,6 +260,8 @@ def make_demo_dataset(root, images_per_class=60, seed=0, min_size=120, max_size=
                 size = (rng.randint(min_size, max_size), rng.randint(min_size, max_size))
                 img = _draw_flower(rng, petal, centre, petals, size)
                 img.save(os.path.join(tmp, name, f"{name}_{i:04d}.jpg"), quality=90)
+        with open(os.path.join(tmp, DEMO_MARKER), "w") as f:
+            f.write("Generated flower-like images written by --demo; not real photos.\n")
         os.rename(tmp, root)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -279,6 +288,9 @@ def load_data(args, local_rank=0, world_size=1):
     Every rank runs this (it only reads), so every rank fails the same way on bad input.
     """
     if args.demo:
+        if os.path.exists(args.data_path) and not os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
+            raise UserError(f"--demo --data-path {args.data_path}: that folder exists and is not demo data; "
+                            "drop --data-path (demo data goes to data/demo) or run without --demo")
         if local_rank == 0:
             make_demo_dataset(args.data_path)
         else:
@@ -296,6 +308,11 @@ def load_data(args, local_rank=0, world_size=1):
             f"{args.run_classes}; evaluate on data with the same class folders"
         )
     share = len(split.train_images_path) // world_size
+    if not args.eval_only and share == 0:
+        raise UserError(
+            f"{world_size} processes but only {len(split.train_images_path)} training images; "
+            "start fewer processes or add images"
+        )
     if not args.eval_only and args.batch_size > share:
         raise UserError(
             f"--batch-size {args.batch_size}: each of the {world_size} process(es) gets only {share} of the "
@@ -316,6 +333,8 @@ def build_datasets(split, args):
 
 def print_data_summary(args, split):
     """Rank 0's description of the data: images per class and split sizes, skipped files."""
+    if not args.demo and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
+        print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
     for path in split.skipped:
         print(f"warning: skipping {path}: not a readable image", flush=True)
     counts = {name: 0 for name in split.classes}

@@ -38,22 +38,20 @@ class DistEnv:
 
 
 def expand_slurm_hostlist(hostlist):
-    """Expand a SLURM hostlist such as ``node[01-03,07],gpu5`` into host names."""
+    """Expand a SLURM hostlist such as ``node[01-03,07],rack[1-2]-gpu[1-2]`` into host names."""
     hosts = []
     # Split on commas that are not inside brackets.
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        match = re.fullmatch(r"(.*?)\[([^\]]*)\](.*)", part)
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        match = re.search(r"\[([^\]]*)\]", part)
         if not match:
             hosts.append(part)
             continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
+        head, tail = part[: match.start()], part[match.end():]
+        for item in match.group(1).split(","):
             lo, _, hi = item.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            for number in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{number:0{len(lo)}d}{suffix}")
+            numbers = [lo] if not hi else [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi) + 1)]
+            for number in numbers:
+                hosts += expand_slurm_hostlist(f"{head}{number}{tail}")  # later bracket groups
     return hosts
 
 
@@ -77,14 +75,16 @@ def read_dist_env(local_rank_arg=None):
             world_size=int(env["WORLD_SIZE"]),
             local_rank=local_rank,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-            launcher="torchrun",
+            launcher="torchrun" if "TORCHELASTIC_RUN_ID" in env else "env",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks of a step; a batch script running plain
+    # python has SLURM_PROCID and SLURM_NTASKS too, but is one process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         local_rank = int(env.get("SLURM_LOCALID", 0))
-        local_world_size = _first_int(env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), 1)
+        local_world_size = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), 1)
         if "MASTER_ADDR" not in env:
-            nodes = expand_slurm_hostlist(env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")
+            nodes = expand_slurm_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "")
             master = nodes[0] if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR")
             if not master:
                 raise UserError(
@@ -94,7 +94,8 @@ def read_dist_env(local_rank_arg=None):
             env["MASTER_ADDR"] = master
         if "MASTER_PORT" not in env:
             env["MASTER_PORT"] = str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                   LOCAL_WORLD_SIZE=str(local_world_size))
         return DistEnv(rank, world_size, local_rank, local_world_size, launcher="slurm")
     return DistEnv(local_rank=local_rank_arg or 0)
 
@@ -124,6 +125,9 @@ def select_device(requested, local_rank=0, local_world_size=1):
             f"{local_world_size} processes per node but only {count} GPU(s) visible: "
             f"use --nproc_per_node={count} or fewer"
         )
+    if ":" in requested and local_world_size > 1:
+        raise UserError(f"--device {requested}: every process of this node would use that one GPU; "
+                        "use --device cuda (each process takes the GPU of its local rank)")
     index = int(requested.split(":")[1]) if ":" in requested else local_rank
     if index >= count:
         raise UserError(f"--device {requested}: only {count} GPU(s) visible (cuda:0 to cuda:{count - 1})")
@@ -138,10 +142,19 @@ def cpu_cores_available():
         return os.cpu_count() or 1
 
 
+def cores_per_process(local_world_size=1):
+    """This process's share of the cores: SLURM_CPUS_PER_TASK under SLURM, else the cores it
+    may run on divided among the processes of this node."""
+    cores = cpu_cores_available()
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return max(1, min(cores, int(os.environ["SLURM_CPUS_PER_TASK"])))
+    return max(1, cores // max(1, local_world_size))
+
+
 def configure_cpu_threads(device, local_world_size=1):
     """Give each local process its share of the cores, so N ranks on one CPU don't fight."""
     if device.type == "cpu":
-        torch.set_num_threads(max(1, cpu_cores_available() // max(1, local_world_size)))
+        torch.set_num_threads(cores_per_process(local_world_size))
 
 
 def init_distributed_mode(args, env, device):
@@ -155,6 +168,10 @@ def init_distributed_mode(args, env, device):
     if not env.distributed:
         return
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError(f"--dist-backend nccl needs CUDA GPUs, but the device is {device}; use gloo")
+    if not dist.is_backend_available(backend):
+        raise UserError(f"--dist-backend {backend}: not built into this torch; use gloo or nccl")
     args.dist_backend = backend
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -198,6 +215,22 @@ def barrier():
     """Wait for every rank (no-op for a single process)."""
     if is_dist_avail_and_initialized():
         dist.barrier()
+
+
+def check_on_every_rank(check, device):
+    """Run ``check()``; if it raises UserError on any rank, every rank raises (none is left
+    waiting in a collective for a rank that quit). Returns what ``check`` returned."""
+    error, result = None, None
+    try:
+        result = check()
+    except UserError as e:
+        error = e
+    failed = all_reduce_sum(torch.tensor([int(error is not None)], device=device))
+    if error is not None:
+        raise error
+    if failed.item():
+        raise UserError(f"{failed.item()} other process(es) found a problem with the input; see their error")
+    return result
 
 
 def all_reduce_sum(tensor):

@@ -2,32 +2,74 @@
 import os
 import sys
 
-# Exit codes the entry scripts use (argparse itself exits 2 on unknown flags).
+# Exit code for bad input (argparse uses it for unknown flags too).
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
 
 
 class UserError(Exception):
     """A mistake in the user's input (paths, flags, data). Its message says what to do.
 
-    Takes a single string so that a DataLoader worker can re-raise it in the main process
-    as the same type.
+    Every rank checks the same input and fails the same way, so only local rank 0 prints
+    it. Takes a single string so that a DataLoader worker can re-raise it in the main
+    process as the same type.
     """
+
+    rank_specific = False
+
+
+class RankError(UserError):
+    """An error only this rank saw (an image file in its shard): printed by this rank."""
+
+    rank_specific = True
+
+
+def _one_line(error):
+    """The message; a worker-raised error carries the worker's traceback text: keep its last line."""
+    text = str(error).strip()
+    line = text.splitlines()[-1] if text else type(error).__name__
+    for prefix in (f"{type(error).__module__}.{type(error).__name__}: ", f"{type(error).__name__}: "):
+        line = line.removeprefix(prefix)
+    return line
+
+
+def report_error(error):
+    """Print ``error: ...`` on stderr, once per node (or from the rank it concerns)."""
+    rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+    if error.rank_specific:
+        prefix = f"[rank {rank}] " if world_size > 1 else ""
+    elif os.environ.get("LOCAL_RANK", "0") == "0":
+        prefix = ""
+    else:
+        return
+    print(f"{prefix}error: {_one_line(error)}", file=sys.stderr, flush=True)
+
+
+def _is_lost_peer(error):
+    """A collective failed because another process is gone (it failed or was stopped)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and ("Connection closed by peer" in text or "Connection reset by peer" in text)
+    )
 
 
 def run_cli(main, argv=None):
-    """Run an entry script's ``main(argv)``; turn a UserError into one line on stderr.
+    """Run an entry script's ``main(argv)``: a UserError becomes one line and exit code 2;
+    a collective that lost its peer one line and exit code 1; Ctrl-C / SIGTERM exit with
+    128 + the signal number."""
+    from multi_train_utils.signals import TrainingInterrupted
 
-    Only global rank 0 prints (every rank sees the same input, so every rank fails the same
-    way); every rank exits non-zero.
-    """
     try:
         main(argv)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            # A worker-raised error carries the worker's traceback text: keep its last line.
-            message = str(e).strip().splitlines()[-1] if str(e).strip() else "error"
-            message = message.removeprefix(f"{UserError.__module__}.UserError: ")
-            message = message.removeprefix("UserError: ")
-            print(f"error: {message}", file=sys.stderr, flush=True)
+        report_error(e)
         sys.exit(EXIT_USER_ERROR)
+    except TrainingInterrupted as e:
+        sys.exit(128 + e.signum)
+    except Exception as e:
+        if not _is_lost_peer(e):
+            raise
+        report_error(RankError(f"lost contact with another process (it failed or was stopped; see its error): "
+                               f"{_one_line(e)}"))
+        sys.exit(1)

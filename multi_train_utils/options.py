@@ -13,6 +13,13 @@ DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, 
 RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "val_rate", "seed")
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error instead of the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to each flag's help unless the help already says its default."""
 
@@ -28,7 +35,7 @@ def _demo_defaults_text():
 
 def get_args_parser(distributed):
     """The parser of both scripts; ``distributed`` adds the DDP flags, else the single-process ones."""
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         description="Train an image classifier on a folder of class sub-folders"
         + (" with DistributedDataParallel (launch with torchrun)." if distributed else " on one device."),
         formatter_class=_HelpFormatter,
@@ -103,21 +110,41 @@ def parse_args(parser, argv=None):
     if args.eval_only:
         if not args.weights:
             raise UserError("--eval-only needs --weights PATH (e.g. weights/model-29.pth)")
-        run_dir = os.path.dirname(os.path.abspath(args.weights))
-        args_file = os.path.join(run_dir, "args.json")
-        if os.path.isfile(args_file):
-            with open(args_file) as f:
-                run_args = json.load(f)
-            for key in RUN_SETTINGS:
-                if key not in given and key in run_args:
-                    setattr(args, key, run_args[key])
-        classes_file = os.path.join(run_dir, "class_indices.json")
-        if os.path.isfile(classes_file):
-            from utils import read_class_indices
-
-            args.run_classes = read_class_indices(classes_file)
+        take_run_settings(args, given)
     check_numbers(args)
     return args
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot be read as JSON ({e}); fix or delete it") from None
+
+
+def take_run_settings(args, given):
+    """For --eval-only: model, image size, data and split of the run that wrote --weights
+    (its args.json and class_indices.json), unless given on the command line."""
+    run_dir = os.path.dirname(os.path.abspath(args.weights))
+    args_file = os.path.join(run_dir, "args.json")
+    if os.path.isfile(args_file):
+        run_args = _read_json(args_file)
+        for key in RUN_SETTINGS:
+            if key not in given and key in run_args:
+                setattr(args, key, run_args[key])
+        for key in ("data_path", "val_path"):
+            path = getattr(args, key)
+            if key not in given and path and not os.path.isdir(path):
+                raise UserError(f"--{key.replace('_', '-')} {path} (from {args_file}) is not there any more; "
+                                f"give --{key.replace('_', '-')}")
+    classes_file = os.path.join(run_dir, "class_indices.json")
+    if os.path.isfile(classes_file):
+        mapping = _read_json(classes_file)
+        try:
+            args.run_classes = [mapping[str(i)] for i in range(len(mapping))]
+        except (KeyError, TypeError):
+            raise UserError(f"{classes_file}: not a class index file ({{\"0\": \"daisy\", ...}})") from None
 
 
 def check_numbers(args):
@@ -129,8 +156,16 @@ def check_numbers(args):
         raise UserError(f"--workers {args.workers}: must be 0 (load in the main process) or more")
     if args.lr <= 0:
         raise UserError(f"--lr {args.lr}: must be positive")
+    for flag in ("lrf", "momentum", "weight_decay", "warmup_epochs"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
 
 
 def args_to_dict(args):
-    """The flags as JSON-friendly values (for args.json)."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    """The flags as JSON-friendly values (for args.json); data paths made absolute so that
+    --eval-only finds them from any folder."""
+    values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    for key in ("data_path", "val_path"):
+        if values.get(key):
+            values[key] = os.path.abspath(values[key])
+    return values

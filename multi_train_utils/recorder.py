@@ -43,7 +43,7 @@ class RunRecorder:
         if not self.enabled:
             return
         save_atomic(plain_state_dict(model), os.path.join(self.output_dir, f"model-{epoch}.pth"))
-        images_per_second = train_stats.images / max(train_stats.seconds, 1e-9)
+        images_per_second = train_stats.images / max(epoch_seconds, 1e-9)
         row = [epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}", f"{train_stats.last_lr:.8g}",
                f"{images_per_second:.2f}", f"{epoch_seconds:.3f}"]
         with open(self.metrics_path, "a", newline="") as f:

@@ -67,7 +67,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     set_train_mode(model)
     loss_function = nn.CrossEntropyLoss()
     mean_loss = torch.zeros((), device=device)
-    images_seen = 0
+    images_seen, last_lr = 0, optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
     progress = tqdm(data_loader, desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
     for step, (images, labels) in enumerate(progress):
@@ -82,6 +82,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
                 "lower --lr, add --warmup-epochs, or check the data"
             )
         mean_loss += (loss - mean_loss) / (step + 1)
+        last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if lr_scheduler is not None:
@@ -94,7 +95,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
         mean_loss=mean_loss.item(),
         images=images_seen,
         seconds=time.perf_counter() - start,
-        last_lr=optimizer.param_groups[0]["lr"] if lr_scheduler is None else lr_scheduler.get_last_lr()[0],
+        last_lr=last_lr,
     )
 
 

@@ -4,6 +4,7 @@ Every training run is a real subprocess (python, torchrun, torch.distributed.lau
 that several tests read are session-scoped so that each is launched once.
 """
 import csv
+import math
 import os
 import random
 import socket
@@ -27,10 +28,19 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
                       "TORCHELASTIC_RUN_ID", "GROUP_RANK")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+CORES = len(os.sched_getaffinity(0))
+
+
+def free_port(low=None, high=None):
+    """A TCP port nobody listens on (in [low, high) if given)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low, high) if low else 0))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port")
 
 
 def subprocess_env(extra=None):
@@ -133,7 +143,7 @@ def ddp_run(tiny_data, tmp_path_factory):
     return {"out": str(out), "result": result}
 
 
-def assert_run_outputs(output_dir, epochs, num_classes=5):
+def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_classes=5):
     """The files a finished run leaves: weights per epoch that load strictly, metadata, metrics."""
     import json
 
@@ -159,7 +169,10 @@ def assert_run_outputs(output_dir, epochs, num_classes=5):
         assert 0 < float(r["train_loss"]) < 10
         assert 0 <= float(r["val_accuracy"]) <= 1
         assert float(r["images_per_second"]) > 0 and float(r["epoch_seconds"]) > 0
-    # cosine schedule: the learning rate goes down epoch by epoch
-    lrs = [float(r["lr"]) for r in rows]
-    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    # the lr of each epoch's last step on the per-step cosine schedule; the last is lr * lrf
+    steps = steps_per_epoch
+    for epoch, r in enumerate(rows):
+        last_step, total = (epoch + 1) * steps - 1, epochs * steps
+        factor = 0.1 + 0.9 * (1 + math.cos(math.pi * last_step / max(1, total - 1))) / 2
+        assert float(r["lr"]) == pytest.approx(lr * factor, rel=1e-5), (epoch, r["lr"])
     return rows

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import FAST, PYTHON, run, script, write_class_folder
+from conftest import FAST, PYTHON, TORCHRUN, free_port, run, script, write_class_folder
 
 
 class CreatesMarker:
@@ -117,6 +117,19 @@ def case_torchvision_weights_offline(tmp, data):
                                                                           "resnet18-", "pass its path"]
 
 
+def case_demo_over_real_data(tmp, data):
+    return ["--demo", "--data-path", data["train"]], ["--demo --data-path", "exists and is not demo data"]
+
+
+def case_class_entirely_in_validation(tmp, data):
+    return (["--data-path", _folder_with_classes(tmp / "d", [3, 2]), "--val-rate", "0.75"],
+            ["--val-rate 0.75", "class 'dandelion' has only 2 image(s)"])
+
+
+def case_negative_momentum(tmp, data):
+    return ["--data-path", data["train"], "--momentum", "-1"], ["--momentum -1.0: must not be negative"]
+
+
 CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
 
 
@@ -138,20 +151,31 @@ def test_bad_input_single(case, tiny_data, tmp_path):
     assert not (tmp_path / "MARKER").exists()
 
 
-def test_batch_larger_than_a_ranks_share(tiny_data, tmp_path):
-    """36 images over 2 ranks: 18 each. Checked before the process group starts."""
-    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
-    result = run([PYTHON, script("train_multi_gpu.py"), *FAST, "--data-path", tiny_data["train"], "--val-path",
-                  tiny_data["val"], "--batch-size", "19", "--output-dir", str(tmp_path / "out")], env=env)
+def test_nccl_on_cpu_is_refused(tiny_data, tmp_path):
+    result = run([PYTHON, script("train_multi_gpu.py"), *FAST, "--data-path", tiny_data["train"], "--device", "cpu",
+                  "--dist-backend", "nccl", "--output-dir", str(tmp_path / "out")],
+                 env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": str(free_port())})
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --batch-size 19: each of the 2 process(es) gets only 18 of the 36 "
-                                     "training images; use --batch-size 18 or less")
+    assert result.stderr.strip() == "error: --dist-backend nccl needs CUDA GPUs, but the device is cpu; use gloo"
+
+
+def test_batch_larger_than_a_ranks_share_under_torchrun(tiny_data, tmp_path):
+    """36 images over 2 ranks: 18 each. Both ranks stop; the error is printed once."""
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
+                  *FAST, "--data-path", tiny_data["train"], "--val-path", tiny_data["val"], "--batch-size", "19",
+                  "--output-dir", str(tmp_path / "out")])
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: --batch-size 19: each of the 2 process(es) gets only 18 of the 36 training images; "
+                      "use --batch-size 18 or less"], result.stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_truncated_image_is_named(tiny_data, tmp_path):
+def test_truncated_image_is_named_by_the_rank_that_read_it(tiny_data, tmp_path):
     """A file whose header reads but whose pixels are cut off stops the run with its name,
-    raised in a loader worker. (It sits in the validation set, which reads every image.)"""
+    raised in a loader worker of one rank; the other rank stops too. (It sits in the
+    validation set, which reads every image.)"""
     import shutil
 
     import numpy as np
@@ -163,11 +187,14 @@ def test_truncated_image_is_named(tiny_data, tmp_path):
     Image.fromarray(noise).save(tmp_path / "full.jpg")
     blob = (tmp_path / "full.jpg").read_bytes()
     (val / "roses" / "truncated.jpg").write_bytes(blob[: len(blob) * 6 // 10])
-    result = run([PYTHON, script("train_single.py"), *FAST, "--data-path", tiny_data["train"], "--val-path", str(val),
-                  "--epochs", "1", "--workers", "1", "--output-dir", str(tmp_path / "out"),
-                  "--log-dir", str(tmp_path / "tb")])
-    assert result.returncode == 2
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: cannot decode image {val / 'roses' / 'truncated.jpg'}"), last
-    assert "delete or replace the file" in last
-    assert "Traceback" not in result.stderr
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
+                  *FAST, "--data-path", tiny_data["train"], "--val-path", str(val), "--epochs", "1", "--workers", "1",
+                  "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "tb")], timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    # sorted validation files: truncated.jpg is the 6th of 8, index 5, so rank 1 reads it
+    assert errors[0].startswith(f"[rank 1] error: cannot decode image {val / 'roses' / 'truncated.jpg'}"), errors
+    assert "delete or replace the file" in errors[0]
+    # rank 0, waiting for rank 1 in a collective, is stopped by torchrun or loses its peer
+    assert all("lost contact with another process" in line for line in errors[1:]), errors
+    assert "Traceback" not in result.stdout

@@ -14,13 +14,19 @@ def snapshot(folder):
 
 
 def eval_only(weights, world_size, script_name="train_multi_gpu.py", *extra):
-    """--eval-only with nothing but the weights: the rest comes from the run's args.json."""
+    """--eval-only with nothing but the weights: the rest comes from the run's args.json.
+    Runs in an empty folder, which must stay empty (default --output-dir and --log-dir are
+    relative to it)."""
+    import tempfile
+
+    cwd = tempfile.mkdtemp()
     if world_size == 1:
         cmd = [PYTHON, script(script_name)]
     else:
         cmd = [*TORCHRUN, f"--nproc_per_node={world_size}", "--master_port", str(free_port()), script(script_name)]
-    result = run(cmd + ["--eval-only", "--weights", weights, "--workers", "0", *extra])
+    result = run(cmd + ["--eval-only", "--weights", weights, "--workers", "0", *extra], cwd=cwd)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert os.listdir(cwd) == []
     return result.stdout
 
 

@@ -77,12 +77,26 @@ def test_slurm_hostlists():
     assert expand_slurm_hostlist("node[01-04,07]") == ["node01", "node02", "node03", "node04", "node07"]
     assert expand_slurm_hostlist("a1,gpu[9-10]x,b") == ["a1", "gpu9x", "gpu10x", "b"]
     assert expand_slurm_hostlist("localhost") == ["localhost"]
+    assert expand_slurm_hostlist("rack[1-2]-n[8-9]") == ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]
+
+
+def test_plain_python_in_a_batch_script_is_one_process(monkeypatch):
+    """sbatch sets SLURM_PROCID and SLURM_NTASKS for the batch script too; only srun's
+    SLURM_STEP_NUM_TASKS makes it a distributed launch."""
+    from multi_train_utils.distributed_utils import read_dist_env
+
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    env = read_dist_env()
+    assert (env.world_size, env.distributed) == (1, False)
 
 
 def _clean_env(monkeypatch):
     """Remove launcher variables; monkeypatch also undoes what read_dist_env sets later."""
     keys = [k for k in os.environ if k.startswith("SLURM_")]
-    for key in keys + ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]:
+    for key in keys + ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                       "TORCHELASTIC_RUN_ID"]:
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
 
@@ -93,8 +107,9 @@ def test_slurm_variables_give_rank_address_and_port(monkeypatch):
     _clean_env(monkeypatch)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("SLURM_NODELIST", "gpu[03-04]")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
     env = read_dist_env()
@@ -113,7 +128,9 @@ def test_torchrun_variables_win_over_slurm(monkeypatch):
     for key, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(key, value)
     env = read_dist_env(local_rank_arg=7)
-    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 4, 1, "torchrun")
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (3, 4, 1, "env")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert read_dist_env().launcher == "torchrun"
 
 
 def test_no_launcher_is_a_single_process(monkeypatch):
@@ -133,6 +150,8 @@ def test_more_processes_than_gpus_is_an_error(monkeypatch):
     assert distributed_utils.select_device("auto", local_rank=1, local_world_size=2) == torch.device("cuda", 1)
     with pytest.raises(UserError, match="4 processes per node but only 2 GPU"):
         distributed_utils.select_device("auto", local_rank=3, local_world_size=4)
+    with pytest.raises(UserError, match="every process of this node would use that one GPU"):
+        distributed_utils.select_device("cuda:1", local_rank=0, local_world_size=2)
 
 
 def test_boolean_flags_and_aliases():
