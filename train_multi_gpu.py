@@ -19,13 +19,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from model import build_model, count_parameters, read_weights
-from multi_train_utils.checkpoint import check_output_dir
+from model import build_model, count_parameters
+from multi_train_utils.checkpoint import restore_training_state
 from multi_train_utils.distributed_utils import (check_on_every_rank, cleanup, configure_cpu_threads,
                                                  init_distributed_mode, read_dist_env, select_device)
 from multi_train_utils.errors import run_cli
+from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
 from my_dataset import EpochIndexSampler, ShardSampler
 from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
@@ -39,20 +41,15 @@ def main(argv=None):
     device = select_device(args.device, env.local_rank, env.local_world_size)
     configure_cpu_threads(device, env.local_world_size)
     is_main = env.rank == 0
+    install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
 
     # 1. Process group (none for a single process started without a launcher).
     init_distributed_mode(args, env, device)
     try:
-        # Data: every rank splits and checks the same input; if any rank finds a problem,
-        # all stop here, before anything is built or written.
-        def check_input():
-            split = load_data(args, env.local_rank, env.world_size)
-            weights = read_weights(args.weights, args.model, progress=is_main) if args.weights else None
-            if not args.eval_only:
-                check_output_dir(args.output_dir, args.overwrite)
-            return split, weights
-
-        split, weights_state = check_on_every_rank(check_input, device)
+        # Data, --weights, --resume, --output-dir: every rank checks the same input; if any rank
+        # finds a problem, all stop here, before anything is built or written.
+        split, weights_state, resume_path, checkpoint = check_on_every_rank(
+            lambda: read_inputs(args, env.local_rank, env.world_size, verbose=is_main), device)
         num_classes = len(split.classes)
         train_set, val_set = build_datasets(split, args)
         if is_main:
@@ -70,6 +67,8 @@ def main(argv=None):
 
         torch.manual_seed(args.seed)
         model = build_model(args, num_classes, weights_state, verbose=is_main)  # freezes before the DDP wrap
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
 
         # 3. SyncBatchNorm: batch statistics over all GPUs. torch has it for GPUs only.
         if args.sync_bn is None:
@@ -95,7 +94,9 @@ def main(argv=None):
         lr = args.lr * env.world_size if args.scale_lr else args.lr
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf)
+        start_epoch = restore_training_state(checkpoint, optimizer, lr)  # 0 for a fresh start
+        lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf,
+                                           start_epoch)
         if is_main:
             print(f"world size: {env.world_size} ({env.launcher}, backend "
                   f"{args.dist_backend if args.distributed else '-'}), device: {device} "
@@ -103,16 +104,19 @@ def main(argv=None):
                   f"parameters), batch: {args.batch_size} per process, {args.batch_size * env.world_size} in all, "
                   f"lr: {lr:g}, workers: {workers}", flush=True)
 
-        recorder = RunRecorder(args, split.classes, enabled=is_main)  # 7. only rank 0 writes files
+        recorder = RunRecorder(args, split.classes, enabled=is_main, checkpoint=checkpoint)  # 7. only rank 0 writes
         if is_main:
+            if checkpoint is not None:
+                print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
+                      f"{args.epochs - 1}", flush=True)
             print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
-        for epoch in range(args.epochs):
+        for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()
             train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
             # 6. train_one_epoch averages the loss over ranks with reduce_value for display
             train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
             result = evaluate(model, val_loader, device, num_classes)
-            recorder.end_epoch(epoch, model, train_stats, result, time.perf_counter() - start)
+            recorder.end_epoch(epoch, model, optimizer, lr_scheduler, train_stats, result, time.perf_counter() - start)
         recorder.close()
     finally:
         cleanup()  # 8. every process leaves the process group, also on error

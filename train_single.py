@@ -10,33 +10,33 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from model import build_model, count_parameters, read_weights
-from multi_train_utils.checkpoint import check_output_dir
+from model import build_model, count_parameters
+from multi_train_utils.checkpoint import restore_training_state
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import run_cli
+from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
 from my_dataset import EpochIndexSampler, ShardSampler
-from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
+from utils import build_datasets, default_workers, make_loader, print_data_summary
 
 
 def main(argv=None):
     args = parse_args(get_args_parser(distributed=False), argv)
     device = select_device(args.device)
     configure_cpu_threads(device)
+    install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
 
-    # Data: split, checks (before anything is built or written), datasets.
-    split = load_data(args)
+    # Data, --weights, --resume, --output-dir: all checked before anything is built or written.
+    split, weights_state, resume_path, checkpoint = read_inputs(args)
     num_classes = len(split.classes)
     train_set, val_set = build_datasets(split, args)
-    weights_state = read_weights(args.weights, args.model) if args.weights else None
-    if not args.eval_only:
-        check_output_dir(args.output_dir, args.overwrite)
     print_data_summary(args, split)
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
-    # and the same on every rerun with this --seed.
+    # and the same on every rerun (or resume) with this --seed.
     train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
@@ -45,7 +45,10 @@ def main(argv=None):
     val_loader = make_loader(val_set, val_batch_sampler, workers, device)
 
     torch.manual_seed(args.seed)
-    model = build_model(args, num_classes, weights_state).to(device)
+    model = build_model(args, num_classes, weights_state)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
+    model.to(device)
     if args.data_parallel:
         model = wrap_data_parallel(model, device)
 
@@ -55,19 +58,24 @@ def main(argv=None):
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf)
+    start_epoch = restore_training_state(checkpoint, optimizer, args.lr)  # 0 for a fresh start
+    lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf,
+                                       start_epoch)
     print(f"device: {device} ({torch.get_num_threads()} threads), model: {args.model} "
           f"({count_parameters(model):,} parameters), batch: {args.batch_size}, lr: {args.lr}, "
           f"workers: {workers}", flush=True)
 
-    recorder = RunRecorder(args, split.classes)
+    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint)
+    if checkpoint is not None:
+        print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
+              f"{args.epochs - 1}", flush=True)
     print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()
         train_sampler.set_epoch(epoch)
         train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
         result = evaluate(model, val_loader, device, num_classes)
-        recorder.end_epoch(epoch, model, train_stats, result, time.perf_counter() - start)
+        recorder.end_epoch(epoch, model, optimizer, lr_scheduler, train_stats, result, time.perf_counter() - start)
     recorder.close()
 
 

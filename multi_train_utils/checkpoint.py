@@ -1,33 +1,41 @@
-"""Files of a run: atomic saving and the guard against overwriting an earlier run."""
+"""Files of a run: atomic saving, the full checkpoint for --resume, and the guard against
+overwriting an earlier run."""
 import glob
 import json
 import os
+import pickle
+import random
+import re
+import shutil
 import tempfile
 
 import torch
 
 from multi_train_utils.errors import UserError
 
-RUN_FILES = ("checkpoint.pth", "metrics.csv", "args.json", "class_indices.json")
+CHECKPOINT = "checkpoint.pth"
+PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
+RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, "model-best.pth", "metrics.csv", "args.json", "class_indices.json")
 
 
 def earlier_run_files(output_dir):
     """Files in ``output_dir`` that an earlier training run wrote (checkpoints and metrics)."""
     found = sorted(glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")))
-    found += [os.path.join(output_dir, f) for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
+    found += [os.path.join(output_dir, f) for f in RUN_FILES
+              if os.path.isfile(os.path.join(output_dir, f)) and os.path.join(output_dir, f) not in found]
     return found
 
 
-def check_output_dir(output_dir, overwrite):
-    """Refuse to start over an earlier run's checkpoints unless --overwrite is given."""
+def check_output_dir(output_dir, overwrite, resume=None):
+    """Refuse to start over an earlier run's checkpoints unless --overwrite or --resume is given."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
-    if earlier and not overwrite:
+    if earlier and not overwrite and not resume:
         names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise UserError(
             f"--output-dir {output_dir}: holds checkpoints of an earlier run ({names}); "
-            "pass --overwrite to replace them, or choose another --output-dir"
+            "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
         )
 
 
@@ -41,6 +49,7 @@ def _atomic_write(path, write):
     """Write via a temporary file in the same folder, fsync, then rename over ``path``.
 
     A crash at any point leaves either the old file or the new one, never half of one.
+    The temporary name is unique, so concurrent runs never collide.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -64,4 +73,127 @@ def save_atomic(obj, path):
 
 def write_json_atomic(obj, path):
     """Write ``obj`` as indented JSON, atomically."""
-    _atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    write_text_atomic(json.dumps(obj, indent=2), path)
+
+
+def write_text_atomic(text, path):
+    """Write a text file atomically."""
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _keep_previous(path, previous):
+    """Make ``previous`` a copy of ``path`` (a hard link where the file system has them)."""
+    if not os.path.exists(path):
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(previous)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(previous)))
+    os.close(fd)
+    try:
+        os.remove(tmp)
+        os.link(path, tmp)
+    except OSError:
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, previous)
+
+
+def rng_state():
+    """Random number generator states, as tensors and plain types (weights_only loads them)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_checkpoint(output_dir, state):
+    """Write ``checkpoint.pth`` atomically, keeping the previous one as ``checkpoint-prev.pth``."""
+    path = os.path.join(output_dir, CHECKPOINT)
+    _keep_previous(path, os.path.join(output_dir, PREVIOUS_CHECKPOINT))
+    save_atomic(state, path)
+
+
+def load_checkpoint(path, flag="--resume"):
+    """Read a full checkpoint safely (``weights_only=True``); a clear error names a bad file."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such file; give a checkpoint.pth or use --resume auto")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{flag} {path}: refused to load: it holds more than tensors and plain types "
+                        f"(loading it could run code). {first}") from None
+    except Exception as e:  # truncated zip, not a torch file, ...
+        raise UserError(f"{flag} {path}: cannot be read as a checkpoint ({type(e).__name__}); "
+                        "it may be truncated") from None
+    needed = {"model", "optimizer", "epoch", "classes", "args"}
+    if not isinstance(checkpoint, dict) or not needed <= set(checkpoint):
+        raise UserError(f"{flag} {path}: not a full checkpoint (needs {sorted(needed)}); "
+                        "to start from weights alone use --weights")
+    return checkpoint
+
+
+def find_resume_checkpoint(resume, output_dir, verbose=True):
+    """The checkpoint to resume from, or None for a fresh start.
+
+    ``auto``: ``<output-dir>/checkpoint.pth`` if it exists; if it cannot be read, the
+    previous one with a warning; with neither, a fresh start. A path: that file or an error.
+    """
+    if not resume:
+        return None, None
+    if resume != "auto":
+        return resume, load_checkpoint(resume)
+    for name in (CHECKPOINT, PREVIOUS_CHECKPOINT):
+        path = os.path.join(output_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            return path, load_checkpoint(path)
+        except UserError as e:
+            if verbose:
+                print(f"warning: {e}; trying the previous checkpoint", flush=True)
+    return None, None
+
+
+def check_resume_compatible(checkpoint, path, args, classes):
+    """The checkpoint must be of the same classes and model."""
+    if checkpoint["classes"] != classes:
+        raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
+                        f"{classes}; resume with the same class folders or start a new --output-dir")
+    if checkpoint["args"].get("model") != args.model:
+        raise UserError(f"--resume {path}: a {checkpoint['args'].get('model')} checkpoint; "
+                        f"pass --model {checkpoint['args'].get('model')}")
+
+
+def restore_training_state(checkpoint, optimizer, base_lr):
+    """Load the optimizer's state and the RNG states; return the epoch to continue with.
+
+    The learning rate is re-derived (``base_lr``, for the current world size) rather than
+    taken from the checkpoint; the scheduler is then created at the checkpoint's epoch.
+    """
+    if checkpoint is None:
+        return 0
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] = base_lr
+    rng = checkpoint.get("rng") or {}
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "python" in rng:
+        random.setstate(_as_tuple(rng["python"]))
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(checkpoint["epoch"]) + 1
+
+
+def _as_tuple(value):
+    """random.setstate wants tuples all the way down (a round trip may give lists)."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def model_epoch_files(output_dir):
+    """``{epoch: path}`` of the per-epoch weights in ``output_dir``."""
+    files = {}
+    for path in glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")):
+        match = re.fullmatch(r"model-(\d+)\.pth", os.path.basename(path))
+        if match:
+            files[int(match.group(1))] = path
+    return files

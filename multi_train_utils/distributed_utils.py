@@ -175,14 +175,35 @@ def init_distributed_mode(args, env, device):
     args.dist_backend = backend
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=args.dist_timeout)
     dist.init_process_group(
         backend=backend,
-        init_method=args.dist_url,
+        store=_rendezvous_store(env, timeout) if args.dist_url == "env://" else None,
+        init_method=None if args.dist_url == "env://" else args.dist_url,
         world_size=env.world_size,
         rank=env.rank,
-        timeout=timedelta(seconds=args.dist_timeout),
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
+
+
+def _rendezvous_store(env, timeout):
+    """The key-value store at MASTER_ADDR:MASTER_PORT, with keys prefixed by the restart count.
+
+    After torchrun restarts a failed group (--max-restarts), the new workers reach the same
+    store as the old ones and could read their stale keys (seen as "connectFullMesh failed"
+    or a hang); a prefix per attempt keeps each attempt's keys apart.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        env.world_size,
+        is_master=not agent_hosts_store and env.rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def cleanup():

@@ -71,6 +71,8 @@ def get_args_parser(distributed):
     run.add_argument("--output-dir", default="weights", help="where model-{epoch}.pth, metrics.csv, args.json and class_indices.json go")
     run.add_argument("--log-dir", default="runs", help="TensorBoard logs go into a sub-folder named after the output dir and the start time")
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
+    run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
+    run.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the last K model-{epoch}.pth files (model-best.pth and checkpoint.pth always stay; default: 0, keep all)")
     run.add_argument("--eval-only", action="store_true", help="only evaluate --weights on the validation split and print the accuracy; writes nothing")
 
     if distributed:
@@ -152,6 +154,10 @@ def check_numbers(args):
     for flag in ("epochs", "batch_size", "img_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.keep_last < 0:
+        raise UserError(f"--keep-last {args.keep_last}: must be 0 (keep all) or more")
+    if args.resume and args.eval_only:
+        raise UserError("--resume and --eval-only do not go together; evaluate a checkpoint with --weights")
     if args.workers is not None and args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 (load in the main process) or more")
     if args.lr <= 0:

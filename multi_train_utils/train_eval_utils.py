@@ -47,19 +47,24 @@ class EvalResult:
         return self.correct / max(1, self.total)
 
 
-def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1):
+def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1, start_epoch=0):
     """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine from lr down to
-    lr * lrf, reached at the last step."""
+    lr * lrf at the end of the last epoch. It is a function of the fraction of training
+    done, so ``start_epoch`` > 0 starts it at that epoch's first
+    step (resume): the rate is then what this schedule gives there, for the current number
+    of steps per epoch (world size) and total of epochs."""
     total = max(1, epochs * steps_per_epoch)
     warmup = min(total, warmup_epochs * steps_per_epoch)
 
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup - 1)
+        progress = (step - warmup) / max(1, total - warmup)
         return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(1.0, progress))) / 2
 
-    return LambdaLR(optimizer, factor)
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return LambdaLR(optimizer, factor, last_epoch=start_epoch * steps_per_epoch - 1)
 
 
 def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None):

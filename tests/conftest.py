@@ -157,6 +157,11 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)
         create_model("resnet18", num_classes).load_state_dict(state, strict=True)
     assert not os.path.exists(os.path.join(output_dir, f"model-{epochs}.pth"))
+    best = torch.load(os.path.join(output_dir, "model-best.pth"), map_location="cpu", weights_only=True)
+    create_model("resnet18", num_classes).load_state_dict(best, strict=True)
+    checkpoint = torch.load(os.path.join(output_dir, "checkpoint.pth"), map_location="cpu", weights_only=True)
+    assert checkpoint["epoch"] == epochs - 1 and checkpoint["classes"] == CLASSES
+    assert checkpoint["model"].keys() == state.keys()
     with open(os.path.join(output_dir, "class_indices.json")) as f:
         assert json.load(f) == {str(i): name for i, name in enumerate(CLASSES)}
     with open(os.path.join(output_dir, "args.json")) as f:
@@ -169,10 +174,10 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         assert 0 < float(r["train_loss"]) < 10
         assert 0 <= float(r["val_accuracy"]) <= 1
         assert float(r["images_per_second"]) > 0 and float(r["epoch_seconds"]) > 0
-    # the lr of each epoch's last step on the per-step cosine schedule; the last is lr * lrf
+    # the lr of each epoch's last step on the per-step cosine schedule (lr * lrf at the very end)
     steps = steps_per_epoch
     for epoch, r in enumerate(rows):
         last_step, total = (epoch + 1) * steps - 1, epochs * steps
-        factor = 0.1 + 0.9 * (1 + math.cos(math.pi * last_step / max(1, total - 1))) / 2
+        factor = 0.1 + 0.9 * (1 + math.cos(math.pi * last_step / total)) / 2
         assert float(r["lr"]) == pytest.approx(lr * factor, rel=1e-5), (epoch, r["lr"])
     return rows

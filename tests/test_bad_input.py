@@ -130,6 +130,32 @@ def case_negative_momentum(tmp, data):
     return ["--data-path", data["train"], "--momentum", "-1"], ["--momentum -1.0: must not be negative"]
 
 
+def case_resume_that_would_run_code(tmp, data):
+    with open(tmp / "evil.pth", "wb") as f:
+        pickle.dump({"model": CreatesMarker(str(tmp / "MARKER"))}, f)
+    return ["--data-path", data["train"], "--resume", str(tmp / "evil.pth")], ["--resume", "refused to load"]
+
+
+def case_resume_truncated(tmp, data):
+    torch.save({"model": {"w": torch.zeros(1000)}, "optimizer": {}, "epoch": 0, "classes": [], "args": {}},
+               tmp / "full.pth")
+    blob = (tmp / "full.pth").read_bytes()
+    (tmp / "cut.pth").write_bytes(blob[: len(blob) - 100])
+    return ["--data-path", data["train"], "--resume", str(tmp / "cut.pth")], [f"--resume {tmp / 'cut.pth'}",
+                                                                              "may be truncated"]
+
+
+def case_resume_with_other_classes(tmp, data):
+    from model import create_model
+
+    out = tmp / "out"  # the run's --output-dir
+    out.mkdir()
+    torch.save({"model": create_model("resnet18", 2).state_dict(), "optimizer": {}, "epoch": 0,
+                "classes": ["cats", "dogs"], "args": {"model": "resnet18"}}, out / "checkpoint.pth")
+    return ["--data-path", data["train"], "--resume", "auto"], ["trained on classes ['cats', 'dogs']",
+                                                                "start a new --output-dir"]
+
+
 CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
 
 
@@ -147,7 +173,8 @@ def test_bad_input_single(case, tiny_data, tmp_path):
     for text in expected:
         assert text in last, last
     assert "Traceback" not in result.stderr + result.stdout
-    assert not out.exists() and not (tmp_path / "tb").exists()
+    assert not (tmp_path / "tb").exists()
+    assert not out.exists() or os.listdir(out) == ["checkpoint.pth"]  # nothing written (some cases bring a file)
     assert not (tmp_path / "MARKER").exists()
 
 

@@ -56,16 +56,19 @@ def test_sample_order_changes_every_epoch_and_ranks_share_nothing(equivalence_ru
 
 
 def test_two_ranks_batch_b_equal_one_rank_batch_2b(equivalence_runs):
+    """After the 9 steps of epoch 0 the weights agree to 1e-5. The two sum their gradients in
+    a different order (1 x 4 images vs 2 x 2 and an all-reduce), and those rounding
+    differences grow with every step, so after 18 steps the bound is 1e-4."""
     root = equivalence_runs["root"]
-    for epoch in (0, 1):
+    for epoch, tolerance in ((0, 1e-5), (1, 1e-4)):
         ddp = torch.load(root / "ddp" / f"model-{epoch}.pth", weights_only=True)
         single = torch.load(root / "single" / f"model-{epoch}.pth", weights_only=True)
         assert ddp.keys() == single.keys()
         for key in ddp:
-            torch.testing.assert_close(ddp[key], single[key], rtol=0, atol=1e-5, msg=key)
+            torch.testing.assert_close(ddp[key], single[key], rtol=0, atol=tolerance, msg=key)
     start = torch.load(root / "single" / "model-0.pth", weights_only=True)
     end = torch.load(root / "single" / "model-1.pth", weights_only=True)
-    assert (start["fc.weight"] - end["fc.weight"]).abs().max() > 1e-4  # it did train
+    assert (start["fc.weight"] - end["fc.weight"]).abs().max() > 1e-3  # it did train
 
 
 def test_nan_on_one_rank_stops_every_rank(tiny_data, tmp_path):

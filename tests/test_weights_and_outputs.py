@@ -49,12 +49,13 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     refused = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
     assert refused.returncode == 2
     assert refused.stderr.strip() == (f"error: --output-dir {out}: holds checkpoints of an earlier run "
-                                      "(model-0.pth, model-1.pth, model-7.pth); pass --overwrite to replace them, "
-                                      "or choose another --output-dir")
+                                      "(model-0.pth, model-1.pth, model-7.pth, ...); pass --resume auto to continue "
+                                      "it, --overwrite to replace it, or choose another --output-dir")
     assert {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)} == before
 
     replaced = run([PYTHON, script("train_single.py"),
                     *train_args(tiny_data, out, "--epochs", "1", "--workers", "0", "--overwrite")])
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr
     assert_run_outputs(str(out), epochs=1)  # model-1 and model-7 of the earlier run are gone
+    assert not (out / "checkpoint-prev.pth").exists()  # the earlier run's checkpoints too
     assert (out / "notes.txt").read_text() == "mine"  # the user's own files stay

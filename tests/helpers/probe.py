@@ -11,12 +11,16 @@ Environment:
   PROBE_BN_EVAL   "1": keep every BatchNorm in eval mode while training (batch-size
                   independent model, for the equivalence test)
   PROBE_NAN_RANK  R: the loss of rank R becomes NaN
+  PROBE_RAISE_RANK R: rank R raises an exception at its first training step
+  PROBE_HANG_RANK R: rank R stops responding at its first training step
+  PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
 Probes live here, not in the product's flags.
 """
 import importlib
 import json
 import os
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -53,6 +57,10 @@ real_train_one_epoch = target.train_one_epoch
 
 
 def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs):
+    if os.environ.get("PROBE_RAISE_RANK") == str(rank):
+        raise RuntimeError(f"probe: rank {rank} fails")
+    if os.environ.get("PROBE_HANG_RANK") == str(rank):
+        time.sleep(3600)
     if epoch == 0:
         record["after_wrap"] = checksum(model)
     record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
@@ -72,6 +80,15 @@ if os.environ.get("PROBE_BN_EVAL") == "1":
                 module.eval()
 
     train_eval_utils.set_train_mode = set_train_mode_bn_eval
+
+if float(os.environ.get("PROBE_STEP_SLEEP", "0")) > 0:
+    loss_forward = nn.CrossEntropyLoss.forward
+
+    def slow_forward(self, x, y):
+        time.sleep(float(os.environ["PROBE_STEP_SLEEP"]))
+        return loss_forward(self, x, y)
+
+    nn.CrossEntropyLoss.forward = slow_forward
 
 if os.environ.get("PROBE_NAN_RANK") == str(rank):
     real_forward = nn.CrossEntropyLoss.forward

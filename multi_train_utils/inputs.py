@@ -1,0 +1,31 @@
+"""Everything a training script reads and checks before it builds anything."""
+from typing import NamedTuple, Optional
+
+from model import read_weights
+from multi_train_utils.checkpoint import check_output_dir, check_resume_compatible, find_resume_checkpoint
+from utils import DataSplit, load_data
+
+
+class RunInputs(NamedTuple):
+    split: DataSplit
+    weights_state: Optional[dict]  # --weights, unless resuming
+    resume_path: Optional[str]
+    checkpoint: Optional[dict]  # the full checkpoint to resume from, or None for a fresh start
+
+
+def read_inputs(args, local_rank=0, world_size=1, verbose=True):
+    """Split the data, read --weights and --resume, check --output-dir: a UserError on bad input."""
+    split = load_data(args, local_rank, world_size)
+    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
+    if checkpoint is not None:
+        check_resume_compatible(checkpoint, resume_path, args, split.classes)
+    weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
+    if not args.eval_only:
+        check_output_dir(args.output_dir, args.overwrite, args.resume)
+    return RunInputs(split, weights, resume_path, checkpoint)
+
+
+def resume_hint(args):
+    """What to tell a user whose run was interrupted."""
+    return (f"the last finished epoch is saved in {args.output_dir}/checkpoint.pth; "
+            "to continue, run the same command with --resume auto")

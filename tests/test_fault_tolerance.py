@@ -1,0 +1,161 @@
+"""Never lose work: kill and resume exactly, elastic restarts, Ctrl-C, failing ranks."""
+import csv
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, TORCHRUN, free_port, read_metrics, run, script, subprocess_env, train_args
+
+PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
+EPOCHS = ["--epochs", "4"]
+
+
+def command(kind, probe, *flags):
+    """One process (single) or a 2-process torchrun (ddp) of the script, or of the probe."""
+    name = "train_single.py" if kind == "single" else "train_multi_gpu.py"
+    if probe:
+        entry = [PROBE, "single" if kind == "single" else "multi"]
+    else:
+        entry = [script(name)]
+    prefix = [PYTHON] if kind == "single" else [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port())]
+    return [*prefix, *entry, *flags]
+
+
+def pids_of_tree(pid):
+    """``pid`` and all its descendants (from /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in os.listdir(f"/proc/{current}/task") if os.path.exists(f"/proc/{current}/task") else []:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def wait_for(path, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def start(cmd, env=None):
+    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def metric_rows(output_dir):
+    return [(r["epoch"], r["train_loss"], r["val_accuracy"], r["lr"]) for r in read_metrics(output_dir)]
+
+
+@pytest.fixture(scope="module", params=["single", "ddp"])
+def uninterrupted(request, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"uninterrupted-{request.param}") / "out"
+    result = run(command(request.param, False, *train_args(tiny_data, out, *EPOCHS, "--workers", "1")))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return request.param, out
+
+
+def test_sigkill_then_resume_equals_an_uninterrupted_run(uninterrupted, tiny_data, tmp_path):
+    kind, reference = uninterrupted
+    out = tmp_path / "out"
+    flags = train_args(tiny_data, out, *EPOCHS, "--keep-last", "2")
+    killed = start(command(kind, True, *flags, "--workers", "1"), env={"PROBE_STEP_SLEEP": "0.15"})
+    wait_for(out / "checkpoint-prev.pth", killed)  # the second checkpoint has been written
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert not (out / "model-3.pth").exists()  # it was stopped before the end
+    # the same command with --resume auto (and no loader workers: the result must not depend on them)
+    resumed = run(command(kind, False, *flags, "--workers", "0", "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert metric_rows(out) == metric_rows(reference)  # one row per epoch, the same values
+    final, expected = (torch.load(d / "model-3.pth", weights_only=True) for d in (out, reference))
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    # --keep-last 2 pruned the older per-epoch files; the best weights are those of the best epoch
+    assert sorted(p.name for p in out.glob("model-*.pth")) == ["model-2.pth", "model-3.pth", "model-best.pth"]
+    accuracies = [float(r["val_accuracy"]) for r in read_metrics(reference)]
+    best_epoch = accuracies.index(max(accuracies))
+    best, reference_best = (torch.load(p, weights_only=True) for p in (out / "model-best.pth",
+                                                                       reference / f"model-{best_epoch}.pth"))
+    torch.testing.assert_close(best["fc.weight"], reference_best["fc.weight"], rtol=0, atol=1e-6)
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert checkpoint["epoch"] == 3 and checkpoint["best_epoch"] == best_epoch
+
+
+def test_elastic_restart_after_a_worker_is_killed(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    cmd = [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "--master_port", str(free_port()), PROBE, "multi",
+           *train_args(tiny_data, out, *EPOCHS, "--workers", "0", "--resume", "auto")]
+    job = start(cmd, env={"PROBE_STEP_SLEEP": "0.2"})
+    wait_for(out / "checkpoint.pth", job)
+    workers = pids_of_tree(job.pid)[1:]
+    assert len(workers) == 2
+    os.kill(workers[-1], signal.SIGKILL)
+    stdout, stderr = job.communicate(timeout=180)
+    assert job.returncode == 0, stdout + stderr
+    assert stdout.count("resuming from") == 1
+    assert [r["epoch"] for r in read_metrics(out)] == ["0", "1", "2", "3"]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "single"])
+def test_sigint_stops_every_process_within_10_seconds(kind, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    job = start(command(kind, True, *train_args(tiny_data, out, "--epochs", "50", "--workers", "1")),
+                env={"PROBE_STEP_SLEEP": "0.2"})
+    wait_for(out / "checkpoint.pth", job)
+    time.sleep(0.5)  # mid-epoch
+    pids = pids_of_tree(job.pid)
+    assert len(pids) >= (4 if kind == "ddp" else 2)  # launcher, workers, loader workers
+    sent = time.monotonic()
+    os.kill(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=30)
+    while any(alive(p) for p in pids) and time.monotonic() - sent < 15:
+        time.sleep(0.05)
+    elapsed = time.monotonic() - sent
+    assert not [p for p in pids if alive(p)], "processes left"
+    assert elapsed < 10, elapsed
+    assert job.returncode != 0
+    assert "to continue, run the same command with --resume auto" in stderr
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert checkpoint["epoch"] >= 0
+
+
+def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path):
+    job = start([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                 *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", "0")],
+                env={"PROBE_RAISE_RANK": "1"})
+    pids = pids_of_tree(job.pid)
+    stdout, stderr = job.communicate(timeout=60)
+    assert job.returncode != 0
+    assert "probe: rank 1 fails" in stderr
+    time.sleep(1)
+    assert not [p for p in pids if alive(p)]
+
+
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tiny_data, tmp_path):
+    sent = time.monotonic()
+    job = start([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                 *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", "0", "--dist-timeout", "8")],
+                env={"PROBE_HANG_RANK": "1"})
+    stdout, stderr = job.communicate(timeout=90)
+    assert job.returncode != 0
+    assert time.monotonic() - sent < 60
