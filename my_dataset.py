@@ -55,7 +55,7 @@ class MyDataSet(Dataset):
         if epoch is None:
             return self.transform(img), label
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))  # the CPU generator only
             return self.transform(img), label
 
     @staticmethod
@@ -68,6 +68,13 @@ class MyDataSet(Dataset):
 def sample_seed(seed, epoch, index):
     """A 63-bit seed that differs for every (seed, epoch, index)."""
     return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
+
+
+def seed_epoch(seed, epoch, rank=0):
+    """Seed the global generators (CPU and GPUs) from (seed, epoch, rank) at the start of an
+    epoch: what the model draws (dropout, stochastic depth) then repeats on a rerun or a
+    resume, without depending on saved generator states or the number of loader workers."""
+    torch.manual_seed(sample_seed(seed + 7919, epoch, rank))
 
 
 class EpochIndexSampler(Sampler):

@@ -9,6 +9,7 @@ of the CPU cores), NCCL on GPUs and gloo on CPUs.
     python train_multi_gpu.py ...               # a single process (world size 1)
 """
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,15 +22,16 @@ from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import build_model, count_parameters
 from multi_train_utils.checkpoint import restore_training_state
-from multi_train_utils.distributed_utils import (check_on_every_rank, cleanup, configure_cpu_threads,
-                                                 init_distributed_mode, read_dist_env, select_device)
+from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
+                                                 configure_cpu_threads, init_distributed_mode, read_dist_env,
+                                                 select_device)
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
-from my_dataset import EpochIndexSampler, ShardSampler
+from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
 from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
 
 
@@ -50,6 +52,8 @@ def main(argv=None):
         # finds a problem, all stop here, before anything is built or written.
         split, weights_state, resume_path, checkpoint = check_on_every_rank(
             lambda: read_inputs(args, env.local_rank, env.world_size, verbose=is_main), device)
+        check_same_on_every_rank(-1 if checkpoint is None else int(checkpoint["epoch"]), device,
+                                 "the checkpoint to resume from")
         num_classes = len(split.classes)
         train_set, val_set = build_datasets(split, args)
         if is_main:
@@ -104,14 +108,18 @@ def main(argv=None):
                   f"parameters), batch: {args.batch_size} per process, {args.batch_size * env.world_size} in all, "
                   f"lr: {lr:g}, workers: {workers}", flush=True)
 
-        recorder = RunRecorder(args, split.classes, enabled=is_main, checkpoint=checkpoint)  # 7. only rank 0 writes
+        recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path)  # 7. only rank 0 writes
         if is_main:
             if checkpoint is not None:
                 print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
                       f"{args.epochs - 1}", flush=True)
+                if checkpoint.get("world_size", env.world_size) != env.world_size:
+                    print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
+                          f"{env.world_size}: the learning rate is scaled anew and the data order differs", flush=True)
             print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
         for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()
+            seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
             train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
             # 6. train_one_epoch averages the loss over ranks with reduce_value for display
             train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
@@ -129,10 +137,21 @@ def spawn_processes(args, argv):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    context = mp.start_processes(_spawned_process, args=(args.spawn, port, argv), nprocs=args.spawn, join=False)
     try:
-        mp.spawn(_spawned_process, args=(args.spawn, port, argv), nprocs=args.spawn, join=True)
+        while not context.join():
+            pass
     except mp.ProcessExitedException as e:  # the process printed its own error
         sys.exit(e.exit_code if e.exit_code and e.exit_code > 0 else 1)
+    except KeyboardInterrupt:  # Ctrl-C or SIGINT to this launcher: pass it on, then wait a little
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGINT)
+        for process in context.processes:
+            process.join(timeout=8)
+            if process.is_alive():
+                process.kill()
+        sys.exit(128 + signal.SIGINT)
 
 
 def _spawned_process(local_rank, nprocs, port, argv):

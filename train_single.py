@@ -19,7 +19,7 @@ from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
-from my_dataset import EpochIndexSampler, ShardSampler
+from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
 from utils import build_datasets, default_workers, make_loader, print_data_summary
 
 
@@ -65,13 +65,14 @@ def main(argv=None):
           f"({count_parameters(model):,} parameters), batch: {args.batch_size}, lr: {args.lr}, "
           f"workers: {workers}", flush=True)
 
-    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint)
+    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path)
     if checkpoint is not None:
         print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
               f"{args.epochs - 1}", flush=True)
     print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
     for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()
+        seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
         train_sampler.set_epoch(epoch)
         train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
         result = evaluate(model, val_loader, device, num_classes)

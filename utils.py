@@ -150,10 +150,10 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None, class_indices_dir
 
 
 def write_class_indices(classes, output_dir):
-    """Write ``class_indices.json`` ({"0": "daisy", ...}) into ``output_dir``."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "class_indices.json"), "w") as f:
-        json.dump({str(i): name for i, name in enumerate(classes)}, f, indent=4)
+    """Write ``class_indices.json`` ({"0": "daisy", ...}) into ``output_dir``, atomically."""
+    from multi_train_utils.checkpoint import write_json_atomic
+
+    write_json_atomic({str(i): name for i, name in enumerate(classes)}, os.path.join(output_dir, "class_indices.json"))
 
 
 def read_class_indices(path):
@@ -181,6 +181,8 @@ def build_transforms(img_size):
 
 def make_loader(dataset, batch_sampler, workers, device):
     """A DataLoader over a batch sampler; workers stay alive between epochs."""
+    from multi_train_utils.signals import reset_in_worker
+
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -188,6 +190,10 @@ def make_loader(dataset, batch_sampler, workers, device):
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
         collate_fn=dataset.collate_fn,
+        worker_init_fn=reset_in_worker,
+        # its own generator: creating the loader's iterator must not draw from the global
+        # one, which seed_epoch sets for the model
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -26,17 +26,25 @@ def earlier_run_files(output_dir):
     return found
 
 
-def check_output_dir(output_dir, overwrite, resume=None):
-    """Refuse to start over an earlier run's checkpoints unless --overwrite or --resume is given."""
+def check_output_dir(output_dir, overwrite, resume_path=None):
+    """Refuse to start over an earlier run's checkpoints, unless --overwrite is given or this
+    run resumes from the checkpoint in that very folder."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
+    resuming_here = resume_path and os.path.dirname(os.path.abspath(resume_path)) == os.path.abspath(output_dir)
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
-    if earlier and not overwrite and not resume:
+    if earlier and not overwrite and not resuming_here:
         names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
         raise UserError(
             f"--output-dir {output_dir}: holds checkpoints of an earlier run ({names}); "
             "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
         )
+
+
+def clear_leftover_temporary_files(output_dir):
+    """Remove temporary files of writes that a killed process never finished."""
+    for path in glob.glob(os.path.join(glob.escape(output_dir), ".*.tmp")):
+        os.remove(path)
 
 
 def clear_earlier_run(output_dir):
@@ -55,6 +63,7 @@ def _atomic_write(path, write):
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes owner-only files; use the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -64,6 +73,12 @@ def _atomic_write(path, write):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_atomic(obj, path):
@@ -90,10 +105,15 @@ def _keep_previous(path, previous):
     os.close(fd)
     try:
         os.remove(tmp)
-        os.link(path, tmp)
-    except OSError:
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, previous)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, previous)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def rng_state():
@@ -132,35 +152,46 @@ def load_checkpoint(path, flag="--resume"):
 
 
 def find_resume_checkpoint(resume, output_dir, verbose=True):
-    """The checkpoint to resume from, or None for a fresh start.
+    """The checkpoint to resume from, as ``(path, checkpoint)``, or ``(None, None)``.
 
-    ``auto``: ``<output-dir>/checkpoint.pth`` if it exists; if it cannot be read, the
-    previous one with a warning; with neither, a fresh start. A path: that file or an error.
+    ``auto``: ``<output-dir>/checkpoint.pth``; if it cannot be read, ``checkpoint-prev.pth``
+    with a warning; if neither exists, a fresh start. Checkpoint files that exist but none of
+    which loads are an error (never a silent fresh start over finished epochs). A path: that
+    file, or an error.
     """
     if not resume:
         return None, None
     if resume != "auto":
         return resume, load_checkpoint(resume)
+    errors = []
     for name in (CHECKPOINT, PREVIOUS_CHECKPOINT):
         path = os.path.join(output_dir, name)
         if not os.path.exists(path):
             continue
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, flag="--resume auto:")
         except UserError as e:
+            errors.append(str(e))
             if verbose:
                 print(f"warning: {e}; trying the previous checkpoint", flush=True)
+    if errors:
+        raise UserError(f"--resume auto: no checkpoint in {output_dir} can be read ({errors[-1]}); "
+                        "resume from a good copy with --resume PATH, or start over with --overwrite")
     return None, None
 
 
-def check_resume_compatible(checkpoint, path, args, classes):
-    """The checkpoint must be of the same classes and model."""
+def check_resume_compatible(checkpoint, path, args, classes, epochs):
+    """The checkpoint must be of the same classes, model and frozen layers."""
     if checkpoint["classes"] != classes:
         raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
                         f"{classes}; resume with the same class folders or start a new --output-dir")
-    if checkpoint["args"].get("model") != args.model:
-        raise UserError(f"--resume {path}: a {checkpoint['args'].get('model')} checkpoint; "
-                        f"pass --model {checkpoint['args'].get('model')}")
+    for flag in ("model", "freeze_layers"):
+        if checkpoint["args"].get(flag, getattr(args, flag)) != getattr(args, flag):
+            value = checkpoint["args"].get(flag)
+            raise UserError(f"--resume {path}: trained with --{flag.replace('_', '-')} {value}; resume with the same")
+    if int(checkpoint["epoch"]) + 1 > epochs:
+        raise UserError(f"--resume {path}: already trained {int(checkpoint['epoch']) + 1} epochs, more than "
+                        f"--epochs {epochs}; raise --epochs to train more")
 
 
 def restore_training_state(checkpoint, optimizer, base_lr):
@@ -171,7 +202,10 @@ def restore_training_state(checkpoint, optimizer, base_lr):
     """
     if checkpoint is None:
         return 0
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise UserError(f"--resume: the checkpoint's optimizer state does not fit this model ({e})") from None
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr
     rng = checkpoint.get("rng") or {}

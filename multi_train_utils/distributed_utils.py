@@ -92,8 +92,9 @@ def read_dist_env(local_rank_arg=None):
                     "to the first node's address"
                 )
             env["MASTER_ADDR"] = master
-        if "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        if "MASTER_PORT" not in env:  # two steps of one job running at once get different ports
+            step = int(env.get("SLURM_STEP_ID", "0")) if env.get("SLURM_STEP_ID", "").isdigit() else 0
+            env["MASTER_PORT"] = str(15000 + (int(env.get("SLURM_JOB_ID", "0")) + 1000 * step) % 20000)
         env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                    LOCAL_WORLD_SIZE=str(local_world_size))
         return DistEnv(rank, world_size, local_rank, local_world_size, launcher="slurm")
@@ -252,6 +253,17 @@ def check_on_every_rank(check, device):
     if failed.item():
         raise UserError(f"{failed.item()} other process(es) found a problem with the input; see their error")
     return result
+
+
+def check_same_on_every_rank(value, device, what):
+    """Raise on every rank unless the integer ``value`` is the same on all of them."""
+    if not is_dist_avail_and_initialized():
+        return
+    both = torch.tensor([value, -value], device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if int(both[0]) != -int(both[1]):
+        raise UserError(f"the processes disagree about {what} (from {-int(both[1])} to {int(both[0])}); "
+                        "put --output-dir on a file system that every node shares")
 
 
 def all_reduce_sum(tensor):

@@ -44,20 +44,25 @@ def report_error(error):
     print(f"{prefix}error: {_one_line(error)}", file=sys.stderr, flush=True)
 
 
-def _is_lost_peer(error):
-    """A collective failed because another process is gone (it failed or was stopped)."""
+def _collective_failure(error):
+    """One line for a collective that failed because of another process, else None."""
     import torch.distributed as dist
 
     text = str(error)
-    return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and ("Connection closed by peer" in text or "Connection reset by peer" in text)
-    )
+    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)) or not isinstance(error, RuntimeError):
+        return None  # the rendezvous itself failed, or not a collective: report as it is
+    if "Timed out" in text or "timed out" in text:
+        return ("a collective timed out after --dist-timeout: another process stopped answering (it hangs or is "
+                f"gone): {_one_line(error)}")
+    if isinstance(error, dist.DistBackendError) or "Connection closed by peer" in text or "Connection reset" in text:
+        return f"lost contact with another process (it failed or was stopped; see its error): {_one_line(error)}"
+    return None
 
 
 def run_cli(main, argv=None):
     """Run an entry script's ``main(argv)``: a UserError becomes one line and exit code 2;
-    a collective that lost its peer one line and exit code 1; Ctrl-C / SIGTERM exit with
-    128 + the signal number."""
+    a collective that lost its peer one line and exit code 1; Ctrl-C / SIGTERM one line on
+    how to resume (rank 0) and exit code 128 + the signal number."""
     from multi_train_utils.signals import TrainingInterrupted
 
     try:
@@ -66,10 +71,14 @@ def run_cli(main, argv=None):
         report_error(e)
         sys.exit(EXIT_USER_ERROR)
     except TrainingInterrupted as e:
+        if e.message:
+            import signal
+
+            print(f"\ninterrupted by {signal.Signals(e.signum).name}: {e.message}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
     except Exception as e:
-        if not _is_lost_peer(e):
+        message = _collective_failure(e)
+        if message is None:
             raise
-        report_error(RankError(f"lost contact with another process (it failed or was stopped; see its error): "
-                               f"{_one_line(e)}"))
+        report_error(RankError(message))
         sys.exit(1)

@@ -18,14 +18,14 @@ def read_inputs(args, local_rank=0, world_size=1, verbose=True):
     split = load_data(args, local_rank, world_size)
     resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
     if checkpoint is not None:
-        check_resume_compatible(checkpoint, resume_path, args, split.classes)
+        check_resume_compatible(checkpoint, resume_path, args, split.classes, args.epochs)
     weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
     if not args.eval_only:
-        check_output_dir(args.output_dir, args.overwrite, args.resume)
+        check_output_dir(args.output_dir, args.overwrite, resume_path)
     return RunInputs(split, weights, resume_path, checkpoint)
 
 
 def resume_hint(args):
     """What to tell a user whose run was interrupted."""
-    return (f"the last finished epoch is saved in {args.output_dir}/checkpoint.pth; "
-            "to continue, run the same command with --resume auto")
+    return (f"to continue from the last finished epoch (in {args.output_dir}/checkpoint.pth), "
+            "run the same command with --resume auto")

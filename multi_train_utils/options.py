@@ -154,6 +154,8 @@ def check_numbers(args):
     for flag in ("epochs", "batch_size", "img_size"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if getattr(args, "dist_timeout", 1) < 1:
+        raise UserError(f"--dist-timeout {args.dist_timeout}: must be at least 1 second")
     if args.keep_last < 0:
         raise UserError(f"--keep-last {args.keep_last}: must be 0 (keep all) or more")
     if args.resume and args.eval_only:
