@@ -51,7 +51,7 @@ def _collective_failure(error):
     text = str(error)
     if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)) or not isinstance(error, RuntimeError):
         return None  # the rendezvous itself failed, or not a collective: report as it is
-    if "Timed out" in text or "timed out" in text:
+    if "timed out" in text.lower() or "timeout" in text.lower():
         return ("a collective timed out after --dist-timeout: another process stopped answering (it hangs or is "
                 f"gone): {_one_line(error)}")
     if isinstance(error, dist.DistBackendError) or "Connection closed by peer" in text or "Connection reset" in text:

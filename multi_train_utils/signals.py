@@ -55,11 +55,11 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
 
 def reset_in_worker(worker_id=None):
     """DataLoader ``worker_init_fn``. A forked loader worker inherits the handlers and the
-    wakeup pipe: it ignores SIGINT/SIGTERM instead (the main process shuts it down) and dies
-    with its parent, so a killed trainer never leaves loader workers behind."""
+    wakeup pipe: it drops the pipe, ignores SIGINT (the main process shuts it down; SIGTERM
+    keeps torch's own worker handler, which the shutdown relies on) and dies with its
+    parent, so a killed trainer never leaves loader workers behind."""
     signal.set_wakeup_fd(-1)
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -51,9 +51,44 @@ def subprocess_env(extra=None):
     return env
 
 
+def pids_of_tree(pid):
+    """``pid`` and all its descendants (from /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in os.listdir(f"/proc/{current}/task") if os.path.exists(f"/proc/{current}/task") else []:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL a process and everything it started (torchrun's workers sit in sessions of their own)."""
+    import signal
+
+    for p in pids_of_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def run(cmd, timeout=180, env=None, cwd=REPO):
-    """Run a command to completion; return the CompletedProcess (stdout and stderr as text)."""
-    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout)
+    """Run a command to completion; return the CompletedProcess (stdout and stderr as text).
+    On a time-out the whole process tree is killed, so no worker is left behind."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def script(name):

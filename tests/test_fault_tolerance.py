@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TORCHRUN, free_port, read_metrics, run, script, subprocess_env, train_args
+from conftest import (PYTHON, REPO, TORCHRUN, free_port, kill_tree, pids_of_tree, read_metrics, run, script,
+                      subprocess_env, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 EPOCHS = ["--epochs", "4"]
@@ -23,21 +24,6 @@ def command(kind, probe, *flags):
         entry = [script(name)]
     prefix = [PYTHON] if kind == "single" else [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port())]
     return [*prefix, *entry, *flags]
-
-
-def pids_of_tree(pid):
-    """``pid`` and all its descendants (from /proc)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        for task in os.listdir(f"/proc/{current}/task") if os.path.exists(f"/proc/{current}/task") else []:
-            try:
-                with open(f"/proc/{current}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-    return found
 
 
 def alive(pid):
@@ -70,9 +56,25 @@ def wait_for_checkpoint(output_dir, epoch, proc, timeout=120):
         time.sleep(0.05)
 
 
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Whatever a test started dies with the test, even when the test fails."""
+    yield
+    while STARTED:
+        job = STARTED.pop()
+        if job.poll() is None:
+            kill_tree(job.pid)
+            job.communicate()
+
+
 def start(cmd, env=None):
-    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    job = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    STARTED.append(job)
+    return job
 
 
 def metric_rows(output_dir):
@@ -100,8 +102,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(uninterrupted, tiny_dat
     flags = train_args(tiny_data, out, *EPOCHS, "--keep-last", "2", *model_flags(kind))
     killed = start(command(kind, True, *flags, "--workers", "1"), env={"PROBE_STEP_SLEEP": "0.3"})
     wait_for_checkpoint(out, 1, killed)  # the second checkpoint has been written
-    for pid in pids_of_tree(killed.pid):  # torchrun starts its workers in sessions of their own
-        os.kill(pid, signal.SIGKILL)
+    kill_tree(killed.pid)  # torchrun starts its workers in sessions of their own
     killed.wait()
     time.sleep(0.5)
     saved = torch.load(out / "checkpoint.pth", weights_only=True)["epoch"]
