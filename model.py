@@ -1,6 +1,5 @@
 """Build a torchvision classifier, load weights safely, freeze all but the head."""
 import os
-import pickle
 import re
 
 import torch
@@ -56,17 +55,9 @@ def load_state_dict_file(path, flag="--weights"):
     Accepts a plain state dict or a checkpoint with a ``model`` entry. Returns a state dict
     with any ``module.``/``_orig_mod.`` prefixes removed.
     """
-    if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file; give the path of a .pth state dict")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"{flag} {path}: refused to load: it holds more than tensors and plain types "
-                        f"(loading it could run code). {first}") from None
-    except Exception as e:  # truncated zip, not a torch file, ...
-        raise UserError(f"{flag} {path}: cannot be read as a PyTorch weights file "
-                        f"({type(e).__name__}); it may be truncated or of another format") from None
+    from multi_train_utils.checkpoint import safe_load
+
+    obj = safe_load(path, flag, ".pth weights file (state dict)")
     if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
         obj = obj["model"]
     if not _is_state_dict(obj):

@@ -131,19 +131,25 @@ def save_checkpoint(output_dir, state):
     save_atomic(state, path)
 
 
-def load_checkpoint(path, flag="--resume"):
-    """Read a full checkpoint safely (``weights_only=True``); a clear error names a bad file."""
+def safe_load(path, flag, what):
+    """``torch.load(path, weights_only=True)``: tensors and plain types only, so a file that
+    would run code when unpickled is refused. Any failure is a UserError naming the file."""
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file; give a checkpoint.pth or use --resume auto")
+        raise UserError(f"{flag} {path}: no such file; give the path of a {what}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UserError(f"{flag} {path}: refused to load: it holds more than tensors and plain types "
                         f"(loading it could run code). {first}") from None
     except Exception as e:  # truncated zip, not a torch file, ...
-        raise UserError(f"{flag} {path}: cannot be read as a checkpoint ({type(e).__name__}); "
-                        "it may be truncated") from None
+        raise UserError(f"{flag} {path}: cannot be read as a {what} ({type(e).__name__}); "
+                        "it may be truncated or of another format") from None
+
+
+def load_checkpoint(path, flag="--resume"):
+    """Read a full checkpoint safely; a clear error names a bad file."""
+    checkpoint = safe_load(path, flag, "checkpoint (checkpoint.pth)")
     needed = {"model", "optimizer", "epoch", "classes", "args"}
     if not isinstance(checkpoint, dict) or not needed <= set(checkpoint):
         raise UserError(f"{flag} {path}: not a full checkpoint (needs {sorted(needed)}); "
