@@ -235,3 +235,26 @@ def test_the_schedule_continues_where_it_stopped_for_any_world_size():
 
     assert rates(10, 2, 0.1) == pytest.approx(rates(10, 0, 0.1)[20:])
     assert rates(5, 2, 0.2)[0] == pytest.approx(2 * rates(10, 0, 0.1)[20])
+
+
+def test_restore_derives_the_learning_rate_for_the_new_world_size():
+    """Resumed on twice the processes: momentum buffers come from the checkpoint, the rate is
+    the newly scaled one, and the schedule starts at the checkpoint's next epoch."""
+    from multi_train_utils.checkpoint import restore_training_state
+    from multi_train_utils.train_eval_utils import create_lr_scheduler
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    before = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    weight.grad = torch.full((3,), 0.5)
+    before.step()
+    checkpoint = {"optimizer": before.state_dict(), "epoch": 1, "rng": {"torch": torch.get_rng_state()}}
+
+    after = torch.optim.SGD([weight], lr=0.2, momentum=0.9)
+    start_epoch = restore_training_state(checkpoint, after, base_lr=0.2)
+    scheduler = create_lr_scheduler(after, steps_per_epoch=5, epochs=4, lrf=0.1, start_epoch=start_epoch)
+    assert start_epoch == 2
+    assert torch.equal(after.state[weight]["momentum_buffer"], torch.full((3,), 0.5))
+    assert after.param_groups[0]["initial_lr"] == 0.2
+    # half-way through the cosine: 0.2 * (0.1 + 0.9 * 0.5)
+    assert after.param_groups[0]["lr"] == pytest.approx(0.2 * 0.55)
+    assert scheduler.last_epoch == 10
