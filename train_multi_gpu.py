@@ -110,12 +110,6 @@ def main(argv=None):
 
         recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path)  # 7. only rank 0 writes
         if is_main:
-            if checkpoint is not None:
-                print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
-                      f"{args.epochs - 1}", flush=True)
-                if checkpoint.get("world_size", env.world_size) != env.world_size:
-                    print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
-                          f"{env.world_size}: the learning rate is scaled anew and the data order differs", flush=True)
             print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
         for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()

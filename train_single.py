@@ -66,9 +66,6 @@ def main(argv=None):
           f"workers: {workers}", flush=True)
 
     recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path)
-    if checkpoint is not None:
-        print(f"resuming from {resume_path} (epoch {checkpoint['epoch']} done): epochs {start_epoch} to "
-              f"{args.epochs - 1}", flush=True)
     print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
     for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()

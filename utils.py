@@ -157,10 +157,13 @@ def write_class_indices(classes, output_dir):
 
 
 def read_class_indices(path):
-    """Class names, in index order, from a ``class_indices.json`` file."""
-    with open(path) as f:
-        mapping = json.load(f)
-    return [mapping[str(i)] for i in range(len(mapping))]
+    """Class names, in index order, from a ``class_indices.json`` file; a UserError if it is not one."""
+    try:
+        with open(path) as f:
+            mapping = json.load(f)
+        return [mapping[str(i)] for i in range(len(mapping))]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a readable class index file ({{\"0\": \"daisy\", ...}}): {e}") from None
 
 
 def build_transforms(img_size):

@@ -26,12 +26,17 @@ def earlier_run_files(output_dir):
     return found
 
 
+def resumes_in(resume_path, output_dir):
+    """True when the checkpoint resumed from lies in ``output_dir`` (the run continues there)."""
+    return bool(resume_path) and os.path.dirname(os.path.abspath(resume_path)) == os.path.abspath(output_dir)
+
+
 def check_output_dir(output_dir, overwrite, resume_path=None):
     """Refuse to start over an earlier run's checkpoints, unless --overwrite is given or this
     run resumes from the checkpoint in that very folder."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
-    resuming_here = resume_path and os.path.dirname(os.path.abspath(resume_path)) == os.path.abspath(output_dir)
+    resuming_here = resumes_in(resume_path, output_dir)
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
     if earlier and not overwrite and not resuming_here:
         names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")

@@ -233,12 +233,6 @@ def is_main_process():
     return get_rank() == 0
 
 
-def barrier():
-    """Wait for every rank (no-op for a single process)."""
-    if is_dist_avail_and_initialized():
-        dist.barrier()
-
-
 def check_on_every_rank(check, device):
     """Run ``check()``; if it raises UserError on any rank, every rank raises (none is left
     waiting in a collective for a rank that quit). Returns what ``check`` returned."""

@@ -142,11 +142,9 @@ def take_run_settings(args, given):
                                 f"give --{key.replace('_', '-')}")
     classes_file = os.path.join(run_dir, "class_indices.json")
     if os.path.isfile(classes_file):
-        mapping = _read_json(classes_file)
-        try:
-            args.run_classes = [mapping[str(i)] for i in range(len(mapping))]
-        except (KeyError, TypeError):
-            raise UserError(f"{classes_file}: not a class index file ({{\"0\": \"daisy\", ...}})") from None
+        from utils import read_class_indices
+
+        args.run_classes = read_class_indices(classes_file)
 
 
 def check_numbers(args):

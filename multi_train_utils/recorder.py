@@ -5,8 +5,8 @@ import time
 
 from model import plain_state_dict
 from multi_train_utils.checkpoint import (CHECKPOINT, PREVIOUS_CHECKPOINT, clear_earlier_run,
-                                          clear_leftover_temporary_files, model_epoch_files, rng_state, save_atomic,
-                                          save_checkpoint, write_json_atomic, write_text_atomic)
+                                          clear_leftover_temporary_files, model_epoch_files, resumes_in, rng_state,
+                                          save_atomic, save_checkpoint, write_json_atomic, write_text_atomic)
 from multi_train_utils.options import args_to_dict
 from utils import write_class_indices
 
@@ -31,7 +31,7 @@ class RunRecorder:
         self.rows = list(checkpoint.get("metrics", []))
         self.best_accuracy = checkpoint.get("best_accuracy", -1.0)
         self.best_epoch = checkpoint.get("best_epoch", -1)
-        resuming_here = resume_path and os.path.dirname(os.path.abspath(resume_path)) == os.path.abspath(self.output_dir)
+        resuming_here = resumes_in(resume_path, self.output_dir)
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
         self.log_dir = checkpoint.get("log_dir") if resuming_here else None
         self.log_dir = self.log_dir or os.path.join(
@@ -51,6 +51,7 @@ class RunRecorder:
         write_json_atomic(args_to_dict(args), os.path.join(self.output_dir, "args.json"))
         write_class_indices(classes, self.output_dir)
         if checkpoint:
+            self._report_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"])
         else:
             self._write_metrics()
@@ -58,6 +59,14 @@ class RunRecorder:
 
         self.writer = SummaryWriter(log_dir=self.log_dir,
                                     purge_step=int(checkpoint["epoch"]) + 1 if checkpoint else None)
+
+    def _report_resume(self, checkpoint, resume_path):
+        epoch, world_size = int(checkpoint["epoch"]), getattr(self.args, "world_size", 1)
+        print(f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}",
+              flush=True)
+        if checkpoint.get("world_size", world_size) != world_size:
+            print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
+                  f"{world_size}: the learning rate is scaled anew and the data order differs", flush=True)
 
     def _write_metrics(self):
         lines = [",".join(METRICS_HEADER)] + [",".join(str(v) for v in row) for row in self.rows]

@@ -3,7 +3,6 @@ reproduces the run's own figures and writes nothing."""
 import os
 import re
 
-import pytest
 import torch
 
 from conftest import PYTHON, TORCHRUN, free_port, read_metrics, run, script, top1_line

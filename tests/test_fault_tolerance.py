@@ -1,5 +1,4 @@
 """Never lose work: kill and resume exactly, elastic restarts, Ctrl-C, failing ranks."""
-import csv
 import os
 import signal
 import subprocess

@@ -2,8 +2,6 @@
 import glob
 import os
 
-import pytest
-import torch
 
 from conftest import (CORES, PYTHON, TORCHRUN, assert_run_outputs, free_port, read_metrics, run, script,
                       subprocess_env, train_args)
