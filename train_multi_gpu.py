@@ -28,9 +28,11 @@ from multi_train_utils.distributed_utils import (check_on_every_rank, check_same
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
-from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
+from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
+                                                optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
 from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
 
@@ -42,6 +44,8 @@ def main(argv=None):
     env = read_dist_env(args.local_rank)
     device = select_device(args.device, env.local_rank, env.local_world_size)
     configure_cpu_threads(device, env.local_world_size)
+    configure_backends(device)  # cuDNN autotuner, TF32
+    precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     is_main = env.rank == 0
     install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
 
@@ -84,9 +88,11 @@ def main(argv=None):
         if args.sync_bn and args.distributed:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(device)
+        model = optimize_model(model, args, device, verbose=is_main)  # channels_last, --grad-checkpoint, --compile
+        settings = LoopSettings.from_args(args, precision)
 
         if args.eval_only:
-            result = evaluate(model, val_loader, device, num_classes)
+            result = evaluate(model, val_loader, device, num_classes, settings)
             if is_main:
                 print_evaluation(result, split.classes)
             return
@@ -98,15 +104,19 @@ def main(argv=None):
         lr = args.lr * env.world_size if args.scale_lr else args.lr
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-        start_epoch = restore_training_state(checkpoint, optimizer, lr)  # 0 for a fresh start
-        lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf,
-                                           start_epoch)
+        scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
+        start_epoch = restore_training_state(checkpoint, optimizer, lr, scaler)  # 0 for a fresh start
+        lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
+                                           args.epochs, args.warmup_epochs, args.lrf, start_epoch)
         if is_main:
             print(f"world size: {env.world_size} ({env.launcher}, backend "
                   f"{args.dist_backend if args.distributed else '-'}), device: {device} "
-                  f"({torch.get_num_threads()} threads), model: {args.model} ({count_parameters(model):,} "
-                  f"parameters), batch: {args.batch_size} per process, {args.batch_size * env.world_size} in all, "
-                  f"lr: {lr:g}, workers: {workers}", flush=True)
+                  f"({torch.get_num_threads()} threads), amp: {precision.describe()}, channels_last: "
+                  f"{'on' if args.channels_last else 'off'}", flush=True)
+            print(f"model: {args.model} ({count_parameters(model):,} parameters), batch: {args.batch_size} per "
+                  f"process x {args.accum_steps} accumulation steps x {env.world_size} processes = "
+                  f"{args.batch_size * args.accum_steps * env.world_size} per optimizer step, lr: {lr:g}, "
+                  f"workers: {workers}", flush=True)
 
         recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path)  # 7. only rank 0 writes
         if is_main:
@@ -115,10 +125,11 @@ def main(argv=None):
             start = time.perf_counter()
             seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
             train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
-            # 6. train_one_epoch averages the loss over ranks with reduce_value for display
-            train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
-            result = evaluate(model, val_loader, device, num_classes)
-            recorder.end_epoch(epoch, model, optimizer, lr_scheduler, train_stats, result, time.perf_counter() - start)
+            # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
+            train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler, settings)
+            result = evaluate(model, val_loader, device, num_classes, settings)
+            recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
+                               time.perf_counter() - start)
         recorder.close()
     finally:
         cleanup()  # 8. every process leaves the process group, also on error

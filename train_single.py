@@ -16,9 +16,11 @@ from multi_train_utils.distributed_utils import configure_cpu_threads, select_de
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
-from multi_train_utils.train_eval_utils import create_lr_scheduler, evaluate, print_evaluation, train_one_epoch
+from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
+                                                optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
 from utils import build_datasets, default_workers, make_loader, print_data_summary
 
@@ -27,6 +29,8 @@ def main(argv=None):
     args = parse_args(get_args_parser(distributed=False), argv)
     device = select_device(args.device)
     configure_cpu_threads(device)
+    configure_backends(device)  # cuDNN autotuner, TF32
+    precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
 
     # Data, --weights, --resume, --output-dir: all checked before anything is built or written.
@@ -49,21 +53,26 @@ def main(argv=None):
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
     model.to(device)
+    model = optimize_model(model, args, device)  # channels_last, --grad-checkpoint, --compile
     if args.data_parallel:
         model = wrap_data_parallel(model, device)
+    settings = LoopSettings.from_args(args, precision)
 
     if args.eval_only:
-        print_evaluation(evaluate(model, val_loader, device, num_classes), split.classes)
+        print_evaluation(evaluate(model, val_loader, device, num_classes, settings), split.classes)
         return
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    start_epoch = restore_training_state(checkpoint, optimizer, args.lr)  # 0 for a fresh start
-    lr_scheduler = create_lr_scheduler(optimizer, len(train_loader), args.epochs, args.warmup_epochs, args.lrf,
-                                       start_epoch)
-    print(f"device: {device} ({torch.get_num_threads()} threads), model: {args.model} "
-          f"({count_parameters(model):,} parameters), batch: {args.batch_size}, lr: {args.lr}, "
-          f"workers: {workers}", flush=True)
+    scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
+    start_epoch = restore_training_state(checkpoint, optimizer, args.lr, scaler)  # 0 for a fresh start
+    lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
+                                       args.epochs, args.warmup_epochs, args.lrf, start_epoch)
+    print(f"device: {device} ({torch.get_num_threads()} threads), amp: {precision.describe()}, channels_last: "
+          f"{'on' if args.channels_last else 'off'}", flush=True)
+    print(f"model: {args.model} ({count_parameters(model):,} parameters), batch: {args.batch_size} x "
+          f"{args.accum_steps} accumulation steps = {args.batch_size * args.accum_steps} per optimizer step, "
+          f"lr: {args.lr:g}, workers: {workers}", flush=True)
 
     recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path)
     print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
@@ -71,9 +80,10 @@ def main(argv=None):
         start = time.perf_counter()
         seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
         train_sampler.set_epoch(epoch)
-        train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler)
-        result = evaluate(model, val_loader, device, num_classes)
-        recorder.end_epoch(epoch, model, optimizer, lr_scheduler, train_stats, result, time.perf_counter() - start)
+        train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler, settings)
+        result = evaluate(model, val_loader, device, num_classes, settings)
+        recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
+                           time.perf_counter() - start)
     recorder.close()
 
 

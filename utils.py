@@ -166,19 +166,19 @@ def read_class_indices(path):
         raise UserError(f"{path}: not a readable class index file ({{\"0\": \"daisy\", ...}}): {e}") from None
 
 
-def build_transforms(img_size):
-    """Train: random resized crop + horizontal flip; val: resize to 256/224 of the size + center crop.
+def resize_size(img_size):
+    """Validation images are resized to 256/224 of the crop size, then center-cropped."""
+    return round(img_size * 256 / 224)
 
-    Both work on uint8 tensors and normalise with ImageNet's mean and std at the end.
+
+def build_transforms(img_size):
+    """Train: random resized crop + horizontal flip; val: resize + center crop.
+
+    Both work on uint8 tensors; conversion to float and normalisation with ImageNet's mean
+    and std happen on the device, in the training loop (``DeviceNormalizer``).
     """
-    to_float = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    train = v2.Compose(
-        [v2.PILToTensor(), v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()] + to_float
-    )
-    val = v2.Compose(
-        [v2.PILToTensor(), v2.Resize(round(img_size * 256 / 224), antialias=True), v2.CenterCrop(img_size)]
-        + to_float
-    )
+    train = v2.Compose([v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()])
+    val = v2.Compose([v2.Resize(resize_size(img_size), antialias=True), v2.CenterCrop(img_size)])
     return train, val
 
 
@@ -201,10 +201,11 @@ def make_loader(dataset, batch_sampler, workers, device):
 
 
 def default_workers(local_world_size=1):
-    """Loader workers per process: this process's share of the cores, at most 8."""
+    """Loader workers per process: this process's share of the cores (a fixed cap would starve
+    fast GPUs on big machines; on a CPU the workers mostly wait, the model uses the cores)."""
     from multi_train_utils.distributed_utils import cores_per_process
 
-    return min(8, cores_per_process(local_world_size))
+    return cores_per_process(local_world_size)
 
 
 # --- The offline demo dataset -------------------------------------------------------------
@@ -335,8 +336,12 @@ def build_datasets(split, args):
     from my_dataset import MyDataSet
 
     train_transform, val_transform = build_transforms(args.img_size)
-    train_set = MyDataSet(split.train_images_path, split.train_images_label, train_transform, seed=args.seed)
-    val_set = MyDataSet(split.val_images_path, split.val_images_label, val_transform)
+    # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
+    # crops of a quarter of the image or more lose nothing), validation its resize size.
+    train_set = MyDataSet(split.train_images_path, split.train_images_label, train_transform, seed=args.seed,
+                          keep_side=2 * args.img_size)
+    val_set = MyDataSet(split.val_images_path, split.val_images_label, val_transform,
+                        keep_side=resize_size(args.img_size))
     return train_set, val_set
 
 

@@ -205,8 +205,9 @@ def check_resume_compatible(checkpoint, path, args, classes, epochs):
                         f"--epochs {epochs}; raise --epochs to train more")
 
 
-def restore_training_state(checkpoint, optimizer, base_lr):
-    """Load the optimizer's state and the RNG states; return the epoch to continue with.
+def restore_training_state(checkpoint, optimizer, base_lr, scaler=None):
+    """Load the optimizer's, the fp16 GradScaler's and the RNG states; return the epoch to
+    continue with.
 
     The learning rate is re-derived (``base_lr``, for the current world size) rather than
     taken from the checkpoint; the scheduler is then created at the checkpoint's epoch.
@@ -219,6 +220,8 @@ def restore_training_state(checkpoint, optimizer, base_lr):
         raise UserError(f"--resume: the checkpoint's optimizer state does not fit this model ({e})") from None
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr
+    if scaler is not None and scaler.is_enabled() and checkpoint.get("scaler"):
+        scaler.load_state_dict(checkpoint["scaler"])  # else (another --amp before) it starts afresh
     rng = checkpoint.get("rng") or {}
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])

@@ -46,7 +46,7 @@ def get_args_parser(distributed):
     data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
-    data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores, at most 8)")
+    data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores)")
     data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset (once) and train on it; sets {_demo_defaults_text()} unless given")
 
     model = parser.add_argument_group("model")
@@ -65,6 +65,15 @@ def get_args_parser(distributed):
     optim.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights, the data order and the augmentations")
     if distributed:
         optim.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True, help="multiply --lr by the world size (linear scaling rule)")
+
+    speed = parser.add_argument_group("speed")
+    speed.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"], help="mixed precision: auto picks bf16 on GPUs and CPUs that run it natively (Ampere+, AMX/AVX512-BF16), fp16 with loss scaling on older GPUs, off (fp32) elsewhere")
+    speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None, help="NHWC memory format for model and images (default: on for convolutional nets on CPU and CUDA)")
+    speed.add_argument("--compile", action="store_true", help="torch.compile the model (the first steps take a while to compile; checkpoints stay plain)")
+    speed.add_argument("--accum-steps", type=int, default=1, metavar="N", help="gradient accumulation: one optimizer step every N batches (effective batch = batch size x N x world size)")
+    speed.add_argument("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradient norm to NORM before each optimizer step (default: no clipping)")
+    speed.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing over the model's stages: less memory, about a third more compute")
+    speed.add_argument("--print-freq", type=int, default=20, metavar="N", help="update the progress bar's loss every N steps (reading the loss waits for the device)")
 
     run = parser.add_argument_group("run")
     run.add_argument("--device", default="auto", help="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps")
@@ -160,6 +169,11 @@ def check_numbers(args):
         raise UserError("--resume and --eval-only do not go together; evaluate a checkpoint with --weights")
     if args.workers is not None and args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 (load in the main process) or more")
+    for flag in ("accum_steps", "print_freq"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if args.clip_grad is not None and args.clip_grad <= 0:
+        raise UserError(f"--clip-grad {args.clip_grad}: must be positive (leave it out for no clipping)")
     if args.lr <= 0:
         raise UserError(f"--lr {args.lr}: must be positive")
     for flag in ("lrf", "momentum", "weight_decay", "warmup_epochs"):

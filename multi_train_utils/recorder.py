@@ -80,14 +80,14 @@ class RunRecorder:
         self._write_metrics()
         self._prune(epoch)
 
-    def end_epoch(self, epoch, model, optimizer, lr_scheduler, train_stats, eval_result, epoch_seconds):
+    def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds):
         """Save the checkpoint, then the epoch's weights, the best weights and metrics.csv."""
         if not self.enabled:
             return
         weights = plain_state_dict(model)
         if eval_result.accuracy > self.best_accuracy:
             self.best_accuracy, self.best_epoch = eval_result.accuracy, epoch
-        images_per_second = train_stats.images / max(epoch_seconds, 1e-9)
+        images_per_second = train_stats.images_per_second  # training only, warm-up left out
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
                           f"{train_stats.last_lr:.8g}", f"{images_per_second:.2f}", f"{epoch_seconds:.3f}"])
@@ -99,7 +99,7 @@ class RunRecorder:
             "model": weights,
             "optimizer": optimizer.state_dict(),
             "lr_scheduler": lr_scheduler.state_dict(),
-            "scaler": None,
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "epoch": epoch,
             "best_accuracy": self.best_accuracy,
             "best_epoch": self.best_epoch,

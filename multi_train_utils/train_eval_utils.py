@@ -1,17 +1,25 @@
 """The training and evaluation loops, and the learning-rate schedule."""
+import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from model import set_train_mode, unwrap_model
-from multi_train_utils.distributed_utils import all_reduce_sum, is_main_process, reduce_value
+from model import set_train_mode
+from multi_train_utils.distributed_utils import all_reduce_sum, get_world_size, is_main_process, reduce_value
 from multi_train_utils.errors import UserError
+from multi_train_utils.performance import Precision
+from utils import IMAGENET_MEAN, IMAGENET_STD
+
+# Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
+WARMUP_STEPS = 2
 
 
 class NonFiniteLossError(UserError):
@@ -25,7 +33,41 @@ class TrainStats:
     mean_loss: float  # mean over steps of the loss averaged across ranks
     images: int  # training images processed by all ranks
     seconds: float
-    last_lr: float  # learning rate of the epoch's last step
+    last_lr: float  # learning rate of the epoch's last optimizer step
+    images_per_second: float  # all ranks together, after the first WARMUP_STEPS steps
+
+
+@dataclass
+class LoopSettings:
+    """How batches go through the model; the same for training and evaluation."""
+
+    precision: Precision = field(default_factory=lambda: Precision("off", "cpu"))
+    channels_last: bool = False
+    accum_steps: int = 1  # micro-batches per optimizer step
+    clip_grad: Optional[float] = None  # max gradient norm
+    print_freq: int = 20  # steps between loss updates of the progress bar (each is a host sync)
+
+    @classmethod
+    def from_args(cls, args, precision):
+        return cls(precision, args.channels_last, args.accum_steps, args.clip_grad, args.print_freq)
+
+
+class DeviceNormalizer:
+    """uint8 image batches from the loader -> normalised float batches on the device.
+
+    Copying uint8 moves a quarter of the bytes of float32; the conversion runs on the device.
+    """
+
+    def __init__(self, device, channels_last=False):
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+
+    def __call__(self, images, labels):
+        images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+        images = (images.float() - self.mean) * self.inv_std
+        return images, labels.to(self.device, non_blocking=True)
 
 
 @dataclass
@@ -67,56 +109,122 @@ def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf
     return LambdaLR(optimizer, factor, last_epoch=start_epoch * steps_per_epoch - 1)
 
 
-def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None):
-    """Train for one epoch; return TrainStats. Stops every rank together on a non-finite loss."""
+def optimizer_steps_per_epoch(batches, accum_steps):
+    """Optimizer steps in an epoch of ``batches`` micro-batches (a short last group counts)."""
+    return math.ceil(batches / accum_steps)
+
+
+def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None, scaler=None, settings=None):
+    """Train for one epoch; return TrainStats.
+
+    With ``settings.accum_steps`` = k, gradients of k micro-batches are summed before each
+    optimizer step (DDP averages them across ranks only on the k-th, under ``no_sync``
+    before). The loop never waits for the device just to show numbers: the loss is read
+    every ``print_freq`` steps, together with the check that stops every rank at once on a
+    NaN or infinite loss.
+    """
+    settings = settings or LoopSettings()
+    scaler = scaler or settings.precision.grad_scaler()
     set_train_mode(model)
     loss_function = nn.CrossEntropyLoss()
-    mean_loss = torch.zeros((), device=device)
-    images_seen, last_lr = 0, optimizer.param_groups[0]["lr"]
+    to_device = DeviceNormalizer(device, settings.channels_last)
+    params = [p for p in model.parameters() if p.requires_grad]
+    steps = len(data_loader)
+    world_size = get_world_size()
+    loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
+    first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+    shown = LossDisplay(epoch)
+    last_lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
-    progress = tqdm(data_loader, desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
-    for step, (images, labels) in enumerate(progress):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        loss = loss_function(model(images), labels)
-        loss.backward()
-        # The average over ranks is the same on every rank, so every rank stops together.
-        loss = reduce_value(loss.detach(), average=True)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"training loss became {loss.item()} at epoch {epoch}, step {step}; "
-                "lower --lr, add --warmup-epochs, or check the data"
-            )
-        mean_loss += (loss - mean_loss) / (step + 1)
-        last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if lr_scheduler is not None:
-            lr_scheduler.step()
-        images_seen += len(labels)
-        if is_main_process():
-            progress.set_postfix(loss=f"{mean_loss.item():.3f}", refresh=False)
-    images_seen = int(all_reduce_sum(torch.tensor(images_seen, device=device)))
+    warm_start, warm_images = start, 0
+    progress = tqdm(total=steps * data_loader.batch_sampler.batch_size * world_size, unit="img",
+                    desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
+    for step, (images, labels) in enumerate(data_loader):
+        images, labels = to_device(images, labels)
+        group_start = step - step % settings.accum_steps
+        group_size = min(settings.accum_steps, steps - group_start)
+        updates_now = step == group_start + group_size - 1
+        # Between optimizer steps, DDP need not average gradients: only the last backward syncs.
+        no_sync = model.no_sync() if not updates_now and hasattr(model, "no_sync") else contextlib.nullcontext()
+        with no_sync:
+            with settings.precision.autocast():
+                loss = loss_function(model(images), labels)
+            scaler.scale(loss / group_size).backward()
+        loss = loss.detach().float()
+        loss_sum += loss
+        first_bad_step = torch.where((first_bad_step < 0) & ~torch.isfinite(loss), step, first_bad_step)
+        if updates_now:
+            if settings.clip_grad:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+                nn.utils.clip_grad_norm_(params, settings.clip_grad)
+            last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if lr_scheduler is not None:
+                lr_scheduler.step()
+        if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
+            shown.update(loss_sum, step + 1, first_bad_step)  # the only host sync in the loop
+            progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
+        progress.update(len(labels) * world_size)
+        if step + 1 == WARMUP_STEPS:
+            warm_start, warm_images = time.perf_counter(), (step + 1) * len(labels) * world_size
+    progress.close()
+    seconds = time.perf_counter() - start
+    images_seen = steps * data_loader.batch_sampler.batch_size * world_size  # full batches on every rank
+    if steps <= WARMUP_STEPS:  # too short to leave out a warm-up
+        warm_start, warm_images = start, 0
     return TrainStats(
-        mean_loss=mean_loss.item(),
+        mean_loss=shown.mean_loss,
         images=images_seen,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         last_lr=last_lr,
+        images_per_second=(images_seen - warm_images) / max(time.perf_counter() - warm_start, 1e-9),
     )
 
 
+class LossDisplay:
+    """The epoch's mean loss over all ranks, read every few steps; raises on a NaN/inf loss."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+        self.mean_loss = float("nan")
+
+    def update(self, loss_sum, steps_done, first_bad_step):
+        bad = (first_bad_step >= 0).to(loss_sum.dtype)
+        # One collective and one read of the device for both numbers.
+        loss_total, bad_ranks = reduce_value(torch.stack([loss_sum, bad]), average=False).tolist()
+        mean_loss = loss_total / steps_done / get_world_size()
+        if bad_ranks > 0:
+            # The same on every rank, so every rank stops here together.
+            step = first_bad_step.clone() if bad else torch.full_like(first_bad_step, 2**62)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(step, op=dist.ReduceOp.MIN)
+            raise NonFiniteLossError(
+                f"training loss became {mean_loss:g} at epoch {self.epoch}, step {int(step)}; "
+                "lower --lr, add --warmup-epochs or --clip-grad, or check the data"
+            )
+        self.mean_loss = mean_loss
+
+
 @torch.no_grad()
-def evaluate(model, data_loader, device, num_classes):
+def evaluate(model, data_loader, device, num_classes, settings=None):
     """Exact validation: each rank predicts its own shard, then counts are summed over ranks.
 
-    Runs the plain module, not the DDP wrapper: ranks may have different numbers of batches,
-    and DDP's forward may broadcast buffers, a collective the shorter rank would never join.
+    Runs the module inside DDP, not the wrapper: ranks may have different numbers of
+    batches, and DDP's forward may broadcast buffers, a collective the shorter rank would
+    never join.
     """
-    model = unwrap_model(model)
+    settings = settings or LoopSettings()
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
     model.eval()
+    to_device = DeviceNormalizer(device, settings.channels_last)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
     for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        predictions = model(images).argmax(dim=1)
+        images, labels = to_device(images, labels)
+        with settings.precision.autocast():
+            predictions = model(images).argmax(dim=1)
         confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes)
     all_reduce_sum(confusion)
     return EvalResult(confusion.view(num_classes, num_classes).cpu())

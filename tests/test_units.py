@@ -41,7 +41,7 @@ def test_every_image_mode_becomes_rgb(tiny_data):
     dataset = MyDataSet(split.train_images_path, split.train_images_label, train_tf, seed=0)
     for i in odd:
         image, label = dataset[i]
-        assert image.shape == (3, 40, 40) and image.dtype == torch.float32
+        assert image.shape == (3, 40, 40) and image.dtype == torch.uint8  # normalised on the device
     # augmentation drawn from (seed, epoch, index): repeatable, and new every epoch
     assert torch.equal(dataset[(2, odd[0])][0], dataset[(2, odd[0])][0])
     assert not torch.equal(dataset[(2, odd[0])][0], dataset[(3, odd[0])][0])

@@ -13,6 +13,7 @@ Environment:
   PROBE_NAN_RANK  R: the loss of rank R becomes NaN
   PROBE_RAISE_RANK R: rank R raises an exception at its first training step
   PROBE_HANG_RANK R: rank R stops responding at its first training step
+  PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
 Probes live here, not in the product's flags.
 """
@@ -80,6 +81,23 @@ if os.environ.get("PROBE_BN_EVAL") == "1":
                 module.eval()
 
     train_eval_utils.set_train_mode = set_train_mode_bn_eval
+
+if os.environ.get("PROBE_COUNT_SYNCS") == "1":
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    real_ddp = target.DDP
+    record["gradient_syncs"] = 0
+
+    def counting_allreduce(state, bucket):
+        record["gradient_syncs"] += 1
+        return allreduce_hook(state, bucket)
+
+    def ddp_counting_syncs(*args, **kwargs):
+        model = real_ddp(*args, **kwargs)
+        model.register_comm_hook(None, counting_allreduce)
+        return model
+
+    target.DDP = ddp_counting_syncs
 
 if float(os.environ.get("PROBE_STEP_SLEEP", "0")) > 0:
     loss_forward = nn.CrossEntropyLoss.forward

@@ -1,0 +1,312 @@
+"""Measure training speed: data loading, the compute ceiling, the real loop, multi-process
+scaling, and the tutorial's way of training on the same data.
+
+    python benchmark.py                    # ResNet-34, 224 px, batch 16, 320 generated JPEGs
+    python benchmark.py --quick            # a smoke test in seconds (what CI runs)
+    python benchmark.py --data-path data/flower_photos --num-images 3670
+
+Prints a table and writes it as JSON (--json). What each row means:
+  data       the training loader alone (decode, augment, collate), images/s
+  step       training steps on one batch already in memory: the compute ceiling
+  loop       one real epoch: train_one_epoch through the real loader
+  efficiency loop / step (how much of the ceiling the loop keeps)
+  scaling    the same epoch with train_multi_gpu.py under torchrun with 1, 2, ... processes
+  baseline   the tutorial's way: fp32, NCHW, PIL -> float transforms, .item() every step
+The first steps of every timed run (start-up, kernel selection) are left out.
+"""
+import argparse
+import csv
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from model import create_model
+from multi_train_utils.distributed_utils import configure_cpu_threads, cpu_cores_available, select_device
+from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
+from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
+from my_dataset import EpochIndexSampler, MyDataSet, load_rgb
+from utils import (IMAGENET_MEAN, IMAGENET_STD, build_datasets, default_workers, make_demo_dataset, make_loader,
+                   read_split_data)
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3}
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Benchmark the training pipeline (see the module docstring).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--data-path", default=None, help="folder of class sub-folders (default: generate --num-images flower-like JPEGs of 240-500 px into data/benchmark-N)")
+    parser.add_argument("--num-images", type=int, default=320, help="images to generate when --data-path is not given")
+    parser.add_argument("--model", default="resnet34", help="torchvision classification model")
+    parser.add_argument("--img-size", type=int, default=224, help="training crop size in pixels")
+    parser.add_argument("--batch-size", type=int, default=16, help="images per step per process")
+    parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"], help="mixed precision of our pipeline (the baseline is always fp32)")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None, help="NHWC memory format (default: on for conv nets)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model for the step and loop rows")
+    parser.add_argument("--workers", type=int, default=None, help="loader workers (default: as train_single.py)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps for the step rows (after warm-up)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--scaling", action=argparse.BooleanOptionalAction, default=True, help="run the torchrun scaling rows")
+    parser.add_argument("--max-processes", type=int, default=None, help="largest process count for scaling (default: GPUs, or CPU cores)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run the tutorial-way rows")
+    parser.add_argument("--json", default="runs/benchmark.json", help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
+    return parser
+
+
+# --- Our pipeline -----------------------------------------------------------------------------
+
+class InMemoryBatches:
+    """A stand-in for the DataLoader that yields one batch, already in memory, ``steps`` times."""
+
+    def __init__(self, images, labels, steps):
+        self.batch = (images, labels)
+        self.steps = steps
+        self.batch_sampler = argparse.Namespace(batch_size=len(labels))
+
+    def __iter__(self):
+        return (self.batch for _ in range(self.steps))
+
+    def __len__(self):
+        return self.steps
+
+
+def measure_data(loader, sampler, epoch):
+    """Images/s of the loader alone, over one epoch, the first batches left out."""
+    sampler.set_epoch(epoch)
+    images, start = 0, time.perf_counter()
+    for step, (batch, _) in enumerate(loader):
+        if step + 1 == WARMUP_STEPS:
+            images, start = 0, time.perf_counter()
+        else:
+            images += len(batch)
+    return images / (time.perf_counter() - start)
+
+
+def new_optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=5e-3)
+
+
+def measure_step(model, images, labels, device, settings, steps):
+    """Images/s of train_one_epoch on one in-memory batch: the compute ceiling of the loop."""
+    optimizer = new_optimizer(model)
+    stats = train_one_epoch(model, optimizer, InMemoryBatches(images, labels, WARMUP_STEPS + steps), device, 0,
+                            settings=settings)
+    return stats.images_per_second
+
+
+# --- The tutorial's way -------------------------------------------------------------------------
+
+class TutorialDataSet(MyDataSet):
+    """The tutorial's dataset: PIL image -> torchvision.transforms (float tensors on the CPU)."""
+
+    def __getitem__(self, index):
+        return self.transform(load_rgb(self.images_path[index])), self.images_class[index]
+
+
+def tutorial_loader(split, img_size, batch_size):
+    from torchvision import transforms
+
+    transform = transforms.Compose([transforms.RandomResizedCrop(img_size), transforms.RandomHorizontalFlip(),
+                                    transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    dataset = TutorialDataSet(split.train_images_path, split.train_images_label, transform)
+    workers = min(os.cpu_count(), batch_size if batch_size > 1 else 0, 8)  # the tutorial's formula
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
+                      pin_memory=True, collate_fn=dataset.collate_fn)
+
+
+def tutorial_epoch(model, optimizer, data_loader, device):
+    """The tutorial's train_one_epoch: fp32, the running mean loss read with .item() every step."""
+    model.train()
+    loss_function = nn.CrossEntropyLoss()
+    mean_loss = torch.zeros(1).to(device)
+    images, start = 0, time.perf_counter()
+    data_loader = tqdm(data_loader, file=sys.stdout, leave=False)
+    for step, (batch, labels) in enumerate(data_loader):
+        pred = model(batch.to(device))
+        loss = loss_function(pred, labels.to(device))
+        loss.backward()
+        mean_loss = (mean_loss * step + loss.detach()) / (step + 1)
+        data_loader.desc = "[epoch 0] mean loss {}".format(round(mean_loss.item(), 3))
+        if not torch.isfinite(loss):
+            sys.exit("non-finite loss")
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == WARMUP_STEPS:
+            images, start = 0, time.perf_counter()
+        else:
+            images += len(labels)
+    return images / (time.perf_counter() - start)
+
+
+def measure_tutorial_step(model, images, labels, device, steps):
+    """The compute ceiling of the tutorial's way: fp32 NCHW steps on one in-memory batch."""
+    optimizer = new_optimizer(model)
+    images = ((images.float() / 255 - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1))
+              / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)).to(device)
+    return tutorial_epoch(model, optimizer, [(images, labels)] * (WARMUP_STEPS + steps), device)
+
+
+# --- Scaling under torchrun -----------------------------------------------------------------------
+
+def measure_scaling(args, data_path, processes, device):
+    """Images/s of one epoch of train_multi_gpu.py under torchrun with ``processes`` processes."""
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               os.path.join(REPO, "train_multi_gpu.py"), "--data-path", data_path, "--val-rate", "0.1",
+               "--epochs", "1", "--model", args.model, "--img-size", str(args.img_size),
+               "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", device.type,
+               "--output-dir", out, "--log-dir", os.path.join(out, "runs"), "--no-scale-lr"]
+        cmd += ["--channels-last" if args.channels_last else "--no-channels-last"]
+        cmd += ["--workers", str(args.workers)] if args.workers is not None else []
+        cmd += ["--compile"] if args.compile else []
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if result.returncode != 0:
+            raise UserError(f"scaling run with {processes} processes failed:\n{result.stdout[-2000:]}"
+                            f"{result.stderr[-2000:]}")
+        with open(os.path.join(out, "metrics.csv")) as f:
+            return float(list(csv.DictReader(f))[-1]["images_per_second"])
+
+
+# --- The report ---------------------------------------------------------------------------------
+
+def machine_description(device):
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {cpu_cores_available()} cores"
+    if device.type == "cuda":
+        text = f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}; {text}"
+    return f"{text}; torch {torch.__version__}"
+
+
+def print_table(report):
+    r = report["results"]
+    rows = [("data", r["data"], "loader only"),
+            ("step", r["step"], "compute ceiling, in-memory batch"),
+            ("loop", r["loop"], "one real epoch"),
+            ("efficiency", r["efficiency"], "loop / step")]
+    for row in r.get("scaling", []):
+        rows.append((f"scaling x{row['processes']}", row["images_per_second"],
+                     f"{row['processes']} process(es) x {row['threads_per_process']} thread(s), "
+                     f"efficiency {row['efficiency']:.2f}"))
+    if "baseline" in r:
+        rows += [("baseline step", r["baseline"]["step"], "tutorial way, in-memory batch"),
+                 ("baseline loop", r["baseline"]["loop"], "tutorial way, one real epoch"),
+                 ("loop / baseline", r["speedup_vs_baseline"], "")]
+    s = report["settings"]
+    print(f"\n{report['machine']}")
+    print(f"{s['model']}, {s['img_size']} px, batch {s['batch_size']}, {s['images']} training images, "
+          f"amp {s['amp']}, channels_last {'on' if s['channels_last'] else 'off'}, {s['workers']} workers")
+    print(f"{'':<16}{'images/s':>10}")
+    for name, value, note in rows:
+        number = f"{value:10.2f}" if name in ("efficiency", "loop / baseline") else f"{value:10.1f}"
+        print(f"{name:<16}{number}  {note}")
+
+
+def prepare_data(args):
+    if args.data_path:
+        return args.data_path
+    root = os.path.join(REPO, "data", f"benchmark-{args.num_images}")
+    per_class = max(2, args.num_images // 5)
+    make_demo_dataset(root, images_per_class=per_class, min_size=240, max_size=500)
+    return root
+
+
+def main(argv=None):
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    device = select_device(args.device)
+    configure_cpu_threads(device)
+    configure_backends(device)
+    precision = choose_precision(args.amp, device)
+    data_path = prepare_data(args)
+
+    split = read_split_data(data_path, val_rate=0.1, seed=0)
+    args.seed, args.demo = 0, False
+    train_set, _ = build_datasets(split, args)
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
+    batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
+    if len(batches) <= WARMUP_STEPS:
+        raise UserError(f"{len(split.train_images_path)} training images give {len(batches)} batches of "
+                        f"{args.batch_size}; need more than {WARMUP_STEPS}: raise --num-images")
+    workers = args.workers if args.workers is not None else default_workers()
+    loader = make_loader(train_set, batches, workers, device)
+    results = {"data": measure_data(loader, sampler, epoch=0)}
+    print(f"data: {results['data']:.1f} images/s", flush=True)
+
+    num_classes = len(split.classes)
+    torch.manual_seed(0)
+    model = create_model(args.model, num_classes).to(device)
+    args.grad_checkpoint = False
+    model = optimize_model(model, args, device, verbose=False)
+    settings = LoopSettings(precision, args.channels_last, print_freq=max(1, len(batches)))
+    images, labels = next(iter(loader))
+    results["step"] = measure_step(model, images, labels, device, settings, args.steps)
+    print(f"step: {results['step']:.1f} images/s", flush=True)
+
+    sampler.set_epoch(1)
+    stats = train_one_epoch(model, new_optimizer(model), loader, device, 1, settings=settings)
+    results["loop"] = stats.images_per_second
+    results["efficiency"] = results["loop"] / results["step"]
+    print(f"loop: {results['loop']:.1f} images/s", flush=True)
+    del loader  # its workers
+
+    if args.baseline:
+        torch.manual_seed(0)
+        model = create_model(args.model, num_classes).to(device)
+        step = measure_tutorial_step(model, images, labels, device, max(2, args.steps // 2))
+        loop = tutorial_epoch(model, new_optimizer(model), tutorial_loader(split, args.img_size, args.batch_size),
+                              device)
+        results["baseline"] = {"step": step, "loop": loop}
+        results["speedup_vs_baseline"] = results["loop"] / loop
+        print(f"baseline: step {step:.1f}, loop {loop:.1f} images/s", flush=True)
+
+    if args.scaling:
+        devices = torch.cuda.device_count() if device.type == "cuda" else cpu_cores_available()
+        results["scaling"] = []
+        for processes in range(1, min(devices, args.max_processes or devices) + 1):
+            rate = measure_scaling(args, data_path, processes, device)
+            first = results["scaling"][0]["images_per_second"] if results["scaling"] else rate
+            # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
+            ideal = first * (processes if device.type == "cuda" else 1)
+            results["scaling"].append({
+                "processes": processes, "images_per_second": rate, "efficiency": rate / ideal,
+                "threads_per_process": max(1, cpu_cores_available() // processes) if device.type == "cpu" else None})
+            print(f"scaling x{processes}: {rate:.1f} images/s", flush=True)
+
+    report = {
+        "machine": machine_description(device),
+        "settings": {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size,
+                     "images": len(split.train_images_path), "data_path": os.path.abspath(data_path),
+                     "amp": precision.mode, "channels_last": args.channels_last, "compile": args.compile,
+                     "workers": workers, "device": str(device), "warmup_steps_left_out": WARMUP_STEPS},
+        "results": results,
+    }
+    print_table(report)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
