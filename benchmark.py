@@ -32,6 +32,7 @@ from tqdm import tqdm
 from model import create_model
 from multi_train_utils.distributed_utils import configure_cpu_threads, cpu_cores_available, select_device
 from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
 from my_dataset import EpochIndexSampler, MyDataSet, load_rgb
@@ -39,7 +40,7 @@ from utils import (IMAGENET_MEAN, IMAGENET_STD, build_datasets, default_workers,
                    read_split_data)
 
 REPO = os.path.dirname(os.path.abspath(__file__))
-QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3}
+QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
 
 
 def get_args_parser():
@@ -57,7 +58,7 @@ def get_args_parser():
     parser.add_argument("--steps", type=int, default=10, help="timed steps for the step rows (after warm-up)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--scaling", action=argparse.BooleanOptionalAction, default=True, help="run the torchrun scaling rows")
-    parser.add_argument("--max-processes", type=int, default=None, help="largest process count for scaling (default: GPUs, or CPU cores)")
+    parser.add_argument("--max-processes", type=int, default=None, help="largest process count for scaling: 1, 2, 4, ... and this (default: GPUs, or CPU cores)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run the tutorial-way rows")
     parser.add_argument("--json", default="runs/benchmark.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
@@ -122,7 +123,7 @@ def tutorial_loader(split, img_size, batch_size):
     dataset = TutorialDataSet(split.train_images_path, split.train_images_label, transform)
     workers = min(os.cpu_count(), batch_size if batch_size > 1 else 0, 8)  # the tutorial's formula
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
-                      pin_memory=True, collate_fn=dataset.collate_fn)
+                      pin_memory=torch.cuda.is_available(), collate_fn=dataset.collate_fn)
 
 
 def tutorial_epoch(model, optimizer, data_loader, device):
@@ -201,9 +202,9 @@ def print_table(report):
             ("loop", r["loop"], "one real epoch"),
             ("efficiency", r["efficiency"], "loop / step")]
     for row in r.get("scaling", []):
+        each = f"{row['threads_per_process']} thread(s)" if row["threads_per_process"] else "1 GPU"
         rows.append((f"scaling x{row['processes']}", row["images_per_second"],
-                     f"{row['processes']} process(es) x {row['threads_per_process']} thread(s), "
-                     f"efficiency {row['efficiency']:.2f}"))
+                     f"{row['processes']} process(es) x {each}, efficiency {row['efficiency']:.2f}"))
     if "baseline" in r:
         rows += [("baseline step", r["baseline"]["step"], "tutorial way, in-memory batch"),
                  ("baseline loop", r["baseline"]["loop"], "tutorial way, one real epoch"),
@@ -216,6 +217,14 @@ def print_table(report):
     for name, value, note in rows:
         number = f"{value:10.2f}" if name in ("efficiency", "loop / baseline") else f"{value:10.1f}"
         print(f"{name:<16}{number}  {note}")
+
+
+def process_counts(largest):
+    """1, 2, 4, ... up to ``largest``, and ``largest`` itself."""
+    counts = [1]
+    while counts[-1] * 2 <= largest:
+        counts.append(counts[-1] * 2)
+    return counts + ([largest] if counts[-1] != largest else [])
 
 
 def prepare_data(args):
@@ -231,8 +240,9 @@ def main(argv=None):
     parser = get_args_parser()
     args = parser.parse_args(argv)
     if args.quick:
+        given = given_on_command_line(parser, argv)
         for key, value in QUICK.items():
-            if getattr(args, key) == parser.get_default(key):
+            if key not in given:
                 setattr(args, key, value)
     device = select_device(args.device)
     configure_cpu_threads(device)
@@ -258,7 +268,7 @@ def main(argv=None):
     model = create_model(args.model, num_classes).to(device)
     args.grad_checkpoint = False
     model = optimize_model(model, args, device, verbose=False)
-    settings = LoopSettings(precision, args.channels_last, print_freq=max(1, len(batches)))
+    settings = LoopSettings(precision, args.channels_last)  # as train_single.py runs it
     images, labels = next(iter(loader))
     results["step"] = measure_step(model, images, labels, device, settings, args.steps)
     print(f"step: {results['step']:.1f} images/s", flush=True)
@@ -283,14 +293,19 @@ def main(argv=None):
     if args.scaling:
         devices = torch.cuda.device_count() if device.type == "cuda" else cpu_cores_available()
         results["scaling"] = []
-        for processes in range(1, min(devices, args.max_processes or devices) + 1):
+        for processes in process_counts(min(devices, args.max_processes or devices)):
+            if len(batches) // processes <= WARMUP_STEPS + 1:
+                print(f"scaling x{processes}: skipped, {len(batches) // processes} batches a process are too few "
+                      "to time; raise --num-images", flush=True)
+                continue
             rate = measure_scaling(args, data_path, processes, device)
             first = results["scaling"][0]["images_per_second"] if results["scaling"] else rate
             # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
             ideal = first * (processes if device.type == "cuda" else 1)
             results["scaling"].append({
                 "processes": processes, "images_per_second": rate, "efficiency": rate / ideal,
-                "threads_per_process": max(1, cpu_cores_available() // processes) if device.type == "cpu" else None})
+                "threads_per_process": max(1, cpu_cores_available() // processes) if device.type == "cpu" else None,
+                "gpus": processes if device.type == "cuda" else 0})
             print(f"scaling x{processes}: {rate:.1f} images/s", flush=True)
 
     report = {

@@ -172,6 +172,9 @@ def check_numbers(args):
     for flag in ("accum_steps", "print_freq"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
+    if getattr(args, "data_parallel", False) and args.compile:
+        raise UserError("--compile with --data-parallel: DataParallel's replicas would all run the GPU 0 copy; "
+                        "use torchrun train_multi_gpu.py --compile (DDP) instead")
     if args.clip_grad is not None and args.clip_grad <= 0:
         raise UserError(f"--clip-grad {args.clip_grad}: must be positive (leave it out for no clipping)")
     if args.lr <= 0:

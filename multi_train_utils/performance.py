@@ -98,8 +98,12 @@ def wants_channels_last(requested, model, device):
 # --- Activation checkpointing ---------------------------------------------------------------
 
 def model_stages(model):
-    """The blocks to checkpoint: ResNet's layer1-4, the children of ``features`` (VGG,
-    DenseNet, MobileNet, EfficientNet, ConvNeXt, Swin), RegNet's trunk, ViT's encoder layers."""
+    """The blocks to checkpoint: ResNet's layer1-4, the blocks inside ``features`` (DenseNet,
+    MobileNet, EfficientNet, ConvNeXt, Swin), RegNet's trunk, ViT's encoder layers.
+
+    Only blocks (modules with sub-modules and parameters) count: checkpointing single layers
+    saves no memory, and an in-place ReLU on its own cannot be recomputed.
+    """
     if all(hasattr(model, f"layer{i}") for i in range(1, 5)):
         return [(f"layer{i}", getattr(model, f"layer{i}")) for i in range(1, 5)]
     for path in ("features", "trunk_output", "encoder.layers"):
@@ -107,7 +111,8 @@ def model_stages(model):
         for name in path.split("."):
             container = getattr(container, name, None)
         if isinstance(container, nn.Sequential):
-            return [(f"{path}.{name}", child) for name, child in container.named_children()]
+            return [(f"{path}.{name}", child) for name, child in container.named_children()
+                    if any(True for _ in child.children()) and any(True for _ in child.parameters())]
     return []
 
 
@@ -135,6 +140,8 @@ def _checkpointed_class(cls):
     def forward(self, *inputs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save anyway
             return cls.forward(self, *inputs)
+        if torch.compiler.is_compiling():  # the compiler recomputes without mutating buffers again
+            return checkpoint(cls.forward, self, *inputs, use_reentrant=False)
         return checkpoint(cls.forward, self, *inputs, use_reentrant=False,
                           context_fn=lambda: (contextlib.nullcontext(), _batch_norm_statistics_kept(self)))
 
@@ -146,8 +153,8 @@ def enable_grad_checkpoint(model, model_name="the model"):
     Returns the names of the checkpointed stages."""
     stages = model_stages(model)
     if not stages:
-        raise UserError(f"--grad-checkpoint: no known stages in {model_name}; "
-                        "use a ResNet, VGG, DenseNet, MobileNet, EfficientNet, ConvNeXt, RegNet, Swin or ViT")
+        raise UserError(f"--grad-checkpoint: no blocks to checkpoint in {model_name}; "
+                        "use a ResNet, DenseNet, MobileNet, EfficientNet, ConvNeXt, RegNet, Swin or ViT")
     for _, stage in stages:
         stage.__class__ = _checkpointed_class(type(stage))
     return [name for name, _ in stages]

@@ -168,6 +168,8 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
         progress.update(len(labels) * world_size)
         if step + 1 == WARMUP_STEPS:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # once an epoch: start the clock when the warm-up is done
             warm_start, warm_images = time.perf_counter(), (step + 1) * len(labels) * world_size
     progress.close()
     seconds = time.perf_counter() - start
