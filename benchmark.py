@@ -10,7 +10,8 @@ Prints a table and writes it as JSON (--json). What each row means:
   step       training steps on one batch already in memory: the compute ceiling
   loop       one real epoch: train_one_epoch through the real loader
   efficiency loop / step (how much of the ceiling the loop keeps)
-  scaling    the same epoch with train_multi_gpu.py under torchrun with 1, 2, ... processes
+  scaling    an epoch of train_multi_gpu.py under torchrun with 1, 2, 4, ... processes (the
+             second of two, so that every process is warm)
   baseline   the tutorial's way: fp32, NCHW, PIL -> float transforms, .item() every step
 The first steps of every timed run (start-up, kernel selection) are left out.
 """
@@ -161,11 +162,12 @@ def measure_tutorial_step(model, images, labels, device, steps):
 # --- Scaling under torchrun -----------------------------------------------------------------------
 
 def measure_scaling(args, data_path, processes, device):
-    """Images/s of one epoch of train_multi_gpu.py under torchrun with ``processes`` processes."""
+    """Images/s of train_multi_gpu.py under torchrun with ``processes`` processes: the second of
+    two epochs, when every process is warm (kernels chosen, workers started)."""
     with tempfile.TemporaryDirectory(prefix="benchmark-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                os.path.join(REPO, "train_multi_gpu.py"), "--data-path", data_path, "--val-rate", "0.1",
-               "--epochs", "1", "--model", args.model, "--img-size", str(args.img_size),
+               "--epochs", "2", "--model", args.model, "--img-size", str(args.img_size),
                "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", device.type,
                "--output-dir", out, "--log-dir", os.path.join(out, "runs"), "--no-scale-lr"]
         cmd += ["--channels-last" if args.channels_last else "--no-channels-last"]
