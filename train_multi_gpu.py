@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from model import build_model, count_parameters
+from model import build_model
 from multi_train_utils.checkpoint import restore_training_state
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
                                                  configure_cpu_threads, init_distributed_mode, read_dist_env,
@@ -31,10 +31,11 @@ from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
+from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
                                                 optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary
+from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary, save_confusion_matrix
 
 
 def main(argv=None):
@@ -60,8 +61,6 @@ def main(argv=None):
                                  "the checkpoint to resume from")
         num_classes = len(split.classes)
         train_set, val_set = build_datasets(split, args)
-        if is_main:
-            print_data_summary(args, split)
 
         # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
         #    validation is sharded without padding so every image counts exactly once.
@@ -94,7 +93,10 @@ def main(argv=None):
         if args.eval_only:
             result = evaluate(model, val_loader, device, num_classes, settings)
             if is_main:
+                print_data_summary(args, split)
                 print_evaluation(result, split.classes)
+                if args.eval_output:
+                    save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
             return
 
         # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.
@@ -108,19 +110,12 @@ def main(argv=None):
         start_epoch = restore_training_state(checkpoint, optimizer, lr, scaler)  # 0 for a fresh start
         lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                            args.epochs, args.warmup_epochs, args.lrf, start_epoch)
-        if is_main:
-            print(f"world size: {env.world_size} ({env.launcher}, backend "
-                  f"{args.dist_backend if args.distributed else '-'}), device: {device} "
-                  f"({torch.get_num_threads()} threads), amp: {precision.describe()}, channels_last: "
-                  f"{'on' if args.channels_last else 'off'}", flush=True)
-            print(f"model: {args.model} ({count_parameters(model):,} parameters), batch: {args.batch_size} per "
-                  f"process x {args.accum_steps} accumulation steps x {env.world_size} processes = "
-                  f"{args.batch_size * args.accum_steps * env.world_size} per optimizer step, lr: {lr:g}, "
-                  f"workers: {workers}", flush=True)
 
         recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path)  # 7. only rank 0 writes
         if is_main:
-            print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
+            print_start_summary(args, split, device, precision, model, lr, workers, recorder.log_dir,
+                                env.world_size, env.launcher, args.dist_backend if args.distributed else "-")
+            recorder.plot_data(split, train_set)
         for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()
             seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
@@ -130,7 +125,7 @@ def main(argv=None):
             result = evaluate(model, val_loader, device, num_classes, settings)
             recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
                                time.perf_counter() - start)
-        recorder.close()
+        recorder.finish()  # curves, confusion matrix, end summary
     finally:
         cleanup()  # 8. every process leaves the process group, also on error
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from model import build_model, count_parameters
+from model import build_model
 from multi_train_utils.checkpoint import restore_training_state
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import run_cli
@@ -19,10 +19,11 @@ from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.signals import install_stop_handlers
+from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
                                                 optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, make_loader, print_data_summary
+from utils import build_datasets, default_workers, make_loader, print_data_summary, save_confusion_matrix
 
 
 def main(argv=None):
@@ -37,7 +38,6 @@ def main(argv=None):
     split, weights_state, resume_path, checkpoint = read_inputs(args)
     num_classes = len(split.classes)
     train_set, val_set = build_datasets(split, args)
-    print_data_summary(args, split)
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
     # and the same on every rerun (or resume) with this --seed.
@@ -59,7 +59,11 @@ def main(argv=None):
     settings = LoopSettings.from_args(args, precision)
 
     if args.eval_only:
-        print_evaluation(evaluate(model, val_loader, device, num_classes, settings), split.classes)
+        result = evaluate(model, val_loader, device, num_classes, settings)
+        print_data_summary(args, split)
+        print_evaluation(result, split.classes)
+        if args.eval_output:
+            save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
         return
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -68,14 +72,10 @@ def main(argv=None):
     start_epoch = restore_training_state(checkpoint, optimizer, args.lr, scaler)  # 0 for a fresh start
     lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                        args.epochs, args.warmup_epochs, args.lrf, start_epoch)
-    print(f"device: {device} ({torch.get_num_threads()} threads), amp: {precision.describe()}, channels_last: "
-          f"{'on' if args.channels_last else 'off'}", flush=True)
-    print(f"model: {args.model} ({count_parameters(model):,} parameters), batch: {args.batch_size} x "
-          f"{args.accum_steps} accumulation steps = {args.batch_size * args.accum_steps} per optimizer step, "
-          f"lr: {args.lr:g}, workers: {workers}", flush=True)
 
     recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path)
-    print(f"outputs: {args.output_dir}; TensorBoard: tensorboard --logdir {args.log_dir}", flush=True)
+    print_start_summary(args, split, device, precision, model, args.lr, workers, recorder.log_dir)
+    recorder.plot_data(split, train_set)  # class_distribution.png, batch_preview.png
     for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()
         seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
@@ -84,7 +84,7 @@ def main(argv=None):
         result = evaluate(model, val_loader, device, num_classes, settings)
         recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
                            time.perf_counter() - start)
-    recorder.close()
+    recorder.finish()  # curves, confusion matrix, end summary
 
 
 def wrap_data_parallel(model, device):

@@ -17,6 +17,10 @@ from multi_train_utils.errors import UserError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 FLOWER_PHOTOS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
+# As TensorFlow Datasets records them.
+FLOWER_PHOTOS_BYTES = 228_813_984
+FLOWER_PHOTOS_SHA256 = "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"
+FLOWER_PHOTOS_COUNTS = {"daisy": 633, "dandelion": 898, "roses": 641, "sunflowers": 699, "tulips": 799}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -166,6 +170,28 @@ def read_class_indices(path):
         raise UserError(f"{path}: not a readable class index file ({{\"0\": \"daisy\", ...}}): {e}") from None
 
 
+def read_run_settings(weights, model=None, img_size=None, class_indices=None):
+    """(model name, image size, class names) of the run that wrote ``weights``: the given
+    values first, else its args.json and class_indices.json beside the weights."""
+    run_dir = os.path.dirname(os.path.abspath(weights))
+    run_args = {}
+    args_file = os.path.join(run_dir, "args.json")
+    if os.path.isfile(args_file) and not (model and img_size):
+        try:
+            with open(args_file) as f:
+                run_args = json.load(f)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{args_file}: cannot be read as JSON ({e}); give --model and --img-size") from None
+    model = model or run_args.get("model")
+    img_size = img_size or run_args.get("img_size")
+    if not model or not img_size:
+        raise UserError(f"no args.json beside {weights}: give --model and --img-size as in training")
+    classes_file = class_indices or os.path.join(run_dir, "class_indices.json")
+    if not os.path.isfile(classes_file):
+        raise UserError(f"{classes_file}: not found; give --class-indices (the run's class_indices.json)")
+    return model, int(img_size), read_class_indices(classes_file)
+
+
 def resize_size(img_size):
     """Validation images are resized to 256/224 of the crop size, then center-cropped."""
     return round(img_size * 256 / 224)
@@ -206,6 +232,241 @@ def default_workers(local_world_size=1):
     from multi_train_utils.distributed_utils import cores_per_process
 
     return cores_per_process(local_world_size)
+
+
+# --- Pictures -----------------------------------------------------------------------------------
+# matplotlib draws into PNG files (and TensorBoard) with the Agg backend: never a window, and
+# it works on servers without a display.
+
+PLOT_FILES = {"class_distribution": "class_distribution.png", "batch_preview": "batch_preview.png",
+              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path, writer=None, tag=None, step=0):
+    """Write ``fig`` as a PNG (atomically), log it to TensorBoard if given a writer, close it."""
+    import io
+
+    from multi_train_utils.checkpoint import write_bytes_atomic
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    write_bytes_atomic(buffer.getvalue(), path)
+    if writer is not None:
+        writer.add_figure(tag, fig, step, close=False)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_class_distribution(split):
+    """Bar chart of the images per class in the training and validation splits."""
+    plt = _pyplot()
+    train = [split.train_images_label.count(i) for i in range(len(split.classes))]
+    val = [split.val_images_label.count(i) for i in range(len(split.classes))]
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(split.classes)), 4))
+    x = range(len(split.classes))
+    bars = ax.bar([i - 0.2 for i in x], train, width=0.4, label=f"train ({sum(train)})")
+    ax.bar_label(bars, fontsize=8)
+    bars = ax.bar([i + 0.2 for i in x], val, width=0.4, label=f"val ({sum(val)})")
+    ax.bar_label(bars, fontsize=8)
+    ax.set_xticks(list(x), split.classes, rotation=30 if len(split.classes) > 6 else 0, ha="right")
+    ax.set_ylabel("images")
+    ax.set_title("images per class")
+    ax.legend()
+    return fig
+
+
+def plot_batch_preview(images, labels, classes):
+    """A grid of augmented training images (uint8, as the loader gives them) with class names."""
+    plt = _pyplot()
+    n = len(images)
+    cols = min(8, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, label in zip(axes.flat, images, labels):
+        ax.imshow(image.permute(1, 2, 0).numpy())
+        ax.set_title(classes[int(label)], fontsize=8)
+    fig.suptitle("a training batch after augmentation")
+    return fig
+
+
+def plot_training_curves(rows):
+    """Loss, validation accuracy and learning rate per epoch, from metrics.csv's rows."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    epochs = [int(r["epoch"]) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, key, title in zip(axes, ("train_loss", "val_accuracy", "lr"),
+                              ("training loss", "validation accuracy", "learning rate")):
+        ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
+    """Counts of true class (rows) against predicted class (columns)."""
+    plt = _pyplot()
+    size = max(4, 0.6 * len(classes) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(confusion.numpy(), cmap="Blues")
+    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    peak = int(confusion.max()) if confusion.numel() else 0
+    if len(classes) <= 30:
+        for i in range(len(classes)):
+            for j in range(len(classes)):
+                value = int(confusion[i, j])
+                ax.text(j, i, value, ha="center", va="center", fontsize=8,
+                        color="white" if value > peak / 2 else "black")
+    accuracy = confusion.diag().sum() / max(1, int(confusion.sum()))
+    ax.set_title(f"{title} (accuracy {accuracy:.4f})")
+    return fig
+
+
+def confusion_matrix_csv(confusion, classes):
+    """The confusion matrix as CSV text: a header of predicted classes, a row per true class."""
+    lines = ["true/predicted," + ",".join(classes)]
+    lines += [name + "," + ",".join(str(int(v)) for v in confusion[i]) for i, name in enumerate(classes)]
+    return "\n".join(lines) + "\n"
+
+
+def save_confusion_matrix(confusion, classes, folder, title, writer=None, step=0):
+    """confusion_matrix.png and confusion_matrix.csv in ``folder`` (and the picture in TensorBoard)."""
+    from multi_train_utils.checkpoint import write_text_atomic
+
+    os.makedirs(folder, exist_ok=True)
+    save_figure(plot_confusion_matrix(confusion, classes, title), os.path.join(folder, PLOT_FILES["confusion_matrix"]),
+                writer, "summary/confusion_matrix", step)
+    write_text_atomic(confusion_matrix_csv(confusion, classes), os.path.join(folder, "confusion_matrix.csv"))
+
+
+def read_metrics_rows(run_dir):
+    """metrics.csv of a run as a list of dicts."""
+    import csv
+
+    path = os.path.join(run_dir, "metrics.csv")
+    try:
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror}); is {run_dir} a run's --output-dir?") from None
+
+
+def main(argv=None):
+    """``python utils.py plot RUN_DIR``: draw curves.png of a finished (or running) run."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Helpers for finished runs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plot = commands.add_parser("plot", help="draw curves.png (loss, accuracy, lr per epoch) from RUN_DIR/metrics.csv")
+    plot.add_argument("run_dir", help="the run's --output-dir (default weights)", nargs="?", default="weights")
+    args = parser.parse_args(argv)
+    rows = read_metrics_rows(args.run_dir)
+    if not rows:
+        raise UserError(f"{args.run_dir}/metrics.csv has no epochs yet")
+    path = save_figure(plot_training_curves(rows), os.path.join(args.run_dir, PLOT_FILES["curves"]))
+    print(f"wrote {path} ({len(rows)} epochs)")
+
+
+# --- Downloading flower_photos ----------------------------------------------------------------
+
+def download_flower_photos(root, url=FLOWER_PHOTOS_URL, size=FLOWER_PHOTOS_BYTES, sha256=FLOWER_PHOTOS_SHA256,
+                           counts=FLOWER_PHOTOS_COUNTS):
+    """Download flower_photos.tgz, check its size and SHA-256, and extract it to ``root``.
+
+    Does nothing if ``root`` exists. The archive goes to a temporary file and is extracted
+    into a temporary folder beside ``root``, renamed only when complete: a broken or
+    half-finished download never looks like a dataset. Returns ``root``.
+    """
+    if os.path.isdir(root):
+        return root
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    fd, archive = tempfile.mkstemp(prefix=".flower_photos-", suffix=".tgz.part", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _fetch(url, f, size)
+        check_archive(archive, size, sha256)
+        extract_dataset(archive, root, counts)
+    finally:
+        os.remove(archive)
+    return root
+
+
+def _fetch(url, file, size):
+    import urllib.error
+    import urllib.request
+
+    from tqdm import tqdm
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            with tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="flower_photos.tgz") as bar:
+                while True:
+                    chunk = response.read(1 << 20)
+                    if not chunk:
+                        break
+                    file.write(chunk)
+                    bar.update(len(chunk))
+    except (urllib.error.URLError, OSError) as e:
+        raise UserError(
+            f"--download: cannot fetch {url} ({getattr(e, 'reason', e)}). Offline? Download it by hand, then: "
+            "mkdir -p data && tar xzf flower_photos.tgz -C data (gives data/flower_photos)") from None
+
+
+def check_archive(path, size, sha256):
+    """Raise UserError unless the file at ``path`` has ``size`` bytes and this SHA-256."""
+    import hashlib
+
+    found = os.path.getsize(path)
+    if found != size:
+        raise UserError(f"--download: got {found:,} bytes, expected {size:,}; the download was cut short "
+                        "or the file changed; try again")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise UserError(f"--download: SHA-256 {digest.hexdigest()} differs from the expected {sha256}; "
+                        "the file is damaged or not the flower data; try again")
+
+
+def extract_dataset(archive, root, counts=None):
+    """Extract a .tgz holding one top folder of class folders to ``root``, atomically."""
+    import tarfile
+
+    parent = os.path.dirname(os.path.abspath(root))
+    tmp = tempfile.mkdtemp(prefix=".extract-", dir=parent)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(tmp, filter="data")  # no absolute paths, links out or device files
+        tops = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
+        if len(tops) != 1:
+            raise UserError(f"--download: the archive holds {len(tops)} top folders, expected one")
+        top = os.path.join(tmp, tops[0])
+        for name, expected in (counts or {}).items():
+            found = len(list_images(os.path.join(top, name))) if os.path.isdir(os.path.join(top, name)) else 0
+            if found != expected:
+                raise UserError(f"--download: {name} has {found} images, expected {expected}; try again")
+        os.rename(top, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- The offline demo dataset -------------------------------------------------------------
@@ -305,6 +566,11 @@ def load_data(args, local_rank=0, world_size=1):
             make_demo_dataset(args.data_path)
         else:
             wait_for_folder(args.data_path)
+    if args.download:
+        if local_rank == 0:
+            download_flower_photos(args.data_path)
+        else:
+            wait_for_folder(args.data_path, timeout_s=3600)
     split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
     found = len(split.classes)
     if args.num_classes is not None and args.num_classes != found:
@@ -357,3 +623,9 @@ def print_data_summary(args, split):
     where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
     print(f"data: {where}: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
     print(f"split: {len(split.train_images_path)} train, {len(split.val_images_path)} val images", flush=True)
+
+
+if __name__ == "__main__":
+    from multi_train_utils.errors import run_cli
+
+    run_cli(main)

@@ -15,7 +15,9 @@ from multi_train_utils.errors import UserError
 
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
-RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, "model-best.pth", "metrics.csv", "args.json", "class_indices.json")
+RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, "model-best.pth", "metrics.csv", "args.json", "class_indices.json",
+             "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png", "curves.png",
+             "confusion_matrix.png")
 
 
 def earlier_run_files(output_dir):
@@ -98,7 +100,12 @@ def write_json_atomic(obj, path):
 
 def write_text_atomic(text, path):
     """Write a text file atomically."""
-    _atomic_write(path, lambda f: f.write(text.encode()))
+    write_bytes_atomic(text.encode(), path)
+
+
+def write_bytes_atomic(data, path):
+    """Write a file's bytes atomically."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def _keep_previous(path, previous):

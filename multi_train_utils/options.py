@@ -47,6 +47,7 @@ def get_args_parser(distributed):
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
     data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores)")
+    data.add_argument("--download", action="store_true", help="download the tutorial's flower_photos (228 MB, checked by SHA-256) to --data-path first, unless it is there")
     data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset (once) and train on it; sets {_demo_defaults_text()} unless given")
 
     model = parser.add_argument_group("model")
@@ -82,7 +83,8 @@ def get_args_parser(distributed):
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
     run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
     run.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the last K model-{epoch}.pth files (model-best.pth and checkpoint.pth always stay; default: 0, keep all)")
-    run.add_argument("--eval-only", action="store_true", help="only evaluate --weights on the validation split and print the accuracy; writes nothing")
+    run.add_argument("--eval-only", action="store_true", help="only evaluate --weights (a model-*.pth or a checkpoint.pth) on the validation split and print per-class and top-1 accuracy; writes nothing unless --eval-output")
+    run.add_argument("--eval-output", default=None, metavar="DIR", help="with --eval-only: write confusion_matrix.png and confusion_matrix.csv into DIR")
 
     if distributed:
         ddp = parser.add_argument_group("distributed")
@@ -165,6 +167,12 @@ def check_numbers(args):
         raise UserError(f"--dist-timeout {args.dist_timeout}: must be at least 1 second")
     if args.keep_last < 0:
         raise UserError(f"--keep-last {args.keep_last}: must be 0 (keep all) or more")
+    if args.eval_output and not args.eval_only:
+        raise UserError("--eval-output is for --eval-only; a training run writes its confusion matrix to --output-dir")
+    if args.eval_output and os.path.exists(args.eval_output) and not os.path.isdir(args.eval_output):
+        raise UserError(f"--eval-output {args.eval_output}: is a file; give a folder")
+    if args.download and args.demo:
+        raise UserError("--download and --demo do not go together: --demo generates its own data")
     if args.resume and args.eval_only:
         raise UserError("--resume and --eval-only do not go together; evaluate a checkpoint with --weights")
     if args.workers is not None and args.workers < 0:

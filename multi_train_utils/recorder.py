@@ -8,7 +8,10 @@ from multi_train_utils.checkpoint import (CHECKPOINT, PREVIOUS_CHECKPOINT, clear
                                           clear_leftover_temporary_files, model_epoch_files, resumes_in, rng_state,
                                           save_atomic, save_checkpoint, write_json_atomic, write_text_atomic)
 from multi_train_utils.options import args_to_dict
-from utils import write_class_indices
+from multi_train_utils.run_log import RunLog
+from multi_train_utils.summary import print_end_summary
+from utils import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
+                   save_confusion_matrix, save_figure, write_class_indices)
 
 METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
 
@@ -31,6 +34,9 @@ class RunRecorder:
         self.rows = list(checkpoint.get("metrics", []))
         self.best_accuracy = checkpoint.get("best_accuracy", -1.0)
         self.best_epoch = checkpoint.get("best_epoch", -1)
+        self.best_confusion = checkpoint.get("best_confusion")
+        self.started = time.perf_counter()
+        self.run_log = None
         resuming_here = resumes_in(resume_path, self.output_dir)
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
         self.log_dir = checkpoint.get("log_dir") if resuming_here else None
@@ -44,6 +50,8 @@ class RunRecorder:
         clear_leftover_temporary_files(self.output_dir)
         if not checkpoint and (args.overwrite or args.resume == "auto"):
             clear_earlier_run(self.output_dir)  # --resume auto with nothing to resume: a fresh start
+        # From here on, what rank 0 prints also goes to train.log (a resumed run adds to it).
+        self.run_log = RunLog(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
         if resume_path and resume_path.endswith(PREVIOUS_CHECKPOINT) and resuming_here:
             damaged = os.path.join(self.output_dir, CHECKPOINT)
             if os.path.exists(damaged):  # keep it out of the way: it must never become "previous"
@@ -87,6 +95,7 @@ class RunRecorder:
         weights = plain_state_dict(model)
         if eval_result.accuracy > self.best_accuracy:
             self.best_accuracy, self.best_epoch = eval_result.accuracy, epoch
+            self.best_confusion = eval_result.confusion
         images_per_second = train_stats.images_per_second  # training only, warm-up left out
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
@@ -103,6 +112,7 @@ class RunRecorder:
             "epoch": epoch,
             "best_accuracy": self.best_accuracy,
             "best_epoch": self.best_epoch,
+            "best_confusion": self.best_confusion,  # for the confusion matrix picture at the end
             "metrics": self.rows,
             "args": args_to_dict(self.args),
             "classes": list(self.classes),
@@ -123,6 +133,41 @@ class RunRecorder:
                 if old_epoch <= epoch - keep:
                     os.remove(path)
 
+    def plot_data(self, split, train_set, count=16):
+        """class_distribution.png and batch_preview.png (augmented training images), also in
+        TensorBoard."""
+        if not self.enabled:
+            return
+        save_figure(plot_class_distribution(split), self._plot_path("class_distribution"), self.writer,
+                    "data/class_distribution")
+        step = max(1, len(train_set) // count)
+        samples = [train_set[(0, i)] for i in range(0, len(train_set), step)][:count]
+        images, labels = zip(*samples)
+        save_figure(plot_batch_preview(images, labels, self.classes), self._plot_path("batch_preview"),
+                    self.writer, "data/batch_preview")
+
+    def _plot_path(self, name):
+        return os.path.join(self.output_dir, PLOT_FILES[name])
+
+    def finish(self):
+        """After the last epoch: curves.png, the best epoch's confusion matrix (PNG and CSV),
+        the end summary; then TensorBoard and train.log are closed."""
+        if not self.enabled:
+            return
+        last = int(self.rows[-1][0]) if self.rows else 0
+        rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
+        save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
+        plots = ["class_distribution", "batch_preview", "curves"]
+        if self.best_confusion is not None:
+            save_confusion_matrix(self.best_confusion, self.classes, self.output_dir,
+                                  f"best epoch {self.best_epoch}, validation", self.writer, last)
+            plots.append("confusion_matrix")
+        print_end_summary(self.output_dir, self.best_accuracy, self.best_epoch,
+                          time.perf_counter() - self.started, plots)
+        self.close()
+
     def close(self):
         if self.writer is not None:
             self.writer.close()
+        if self.run_log is not None:
+            self.run_log.close()

@@ -65,9 +65,11 @@ class DeviceNormalizer:
         self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
 
     def __call__(self, images, labels):
+        return self.normalize(images), labels.to(self.device, non_blocking=True)
+
+    def normalize(self, images):
         images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
-        images = (images.float() - self.mean) * self.inv_std
-        return images, labels.to(self.device, non_blocking=True)
+        return (images.float() - self.mean) * self.inv_std
 
 
 @dataclass

@@ -156,6 +156,19 @@ def case_resume_with_other_classes(tmp, data):
                                                                 "start a new --output-dir"]
 
 
+def case_fp16_on_cpu(tmp, data):
+    return ["--data-path", data["train"], "--amp", "fp16"], ["--amp fp16 on a CPU", "--amp bf16, off or auto"]
+
+
+def case_zero_accumulation_steps(tmp, data):
+    return ["--data-path", data["train"], "--accum-steps", "0"], ["--accum-steps 0: must be at least 1"]
+
+
+def case_download_offline(tmp, data):
+    """No network (the proxy goes nowhere): one line with the manual steps, no half dataset."""
+    return ["--download", "--data-path", str(tmp / "flowers")], ["--download: cannot fetch", "tar xzf flower_photos.tgz"]
+
+
 CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
 
 
@@ -176,6 +189,7 @@ def test_bad_input_single(case, tiny_data, tmp_path):
     assert not (tmp_path / "tb").exists()
     assert not out.exists() or os.listdir(out) == ["checkpoint.pth"]  # nothing written (some cases bring a file)
     assert not (tmp_path / "MARKER").exists()
+    assert not (tmp_path / "flowers").exists() and not list(tmp_path.glob(".flower_photos-*"))
 
 
 def test_nccl_on_cpu_is_refused(tiny_data, tmp_path):

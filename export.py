@@ -1,0 +1,100 @@
+"""Export trained weights for deployment: TorchScript, or ONNX when the onnx packages are there.
+
+    python export.py --weights weights/model-best.pth --format torchscript
+    python export.py --weights weights/model-best.pth --format onnx      # pip install onnx onnxruntime
+
+The exported model takes float images of shape (N, 3, H, W), H = W = the training image
+size, normalised with ImageNet's mean and std (utils.IMAGENET_MEAN / IMAGENET_STD), and
+returns one logit per class (class_indices.json). Each file is loaded back and its outputs
+compared with the eager model's on a random batch before the command reports success.
+"""
+import argparse
+import io
+import os
+import warnings
+
+import torch
+
+from model import create_model, load_exact_weights, load_state_dict_file
+from multi_train_utils.checkpoint import write_bytes_atomic
+from multi_train_utils.errors import UserError, run_cli
+from utils import read_run_settings
+
+TOLERANCE = 1e-4
+SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Export trained weights to TorchScript or ONNX.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+    parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="torchscript, or onnx (needs the onnx and onnxruntime packages)")
+    parser.add_argument("--output", default=None, help="the file to write (default: beside the weights, e.g. model-best.torchscript.pt)")
+    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
+    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
+    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")
+    return parser
+
+
+def export_torchscript(model, example, path):
+    """Trace the model (the same operations for every input of this shape) and save it."""
+    with warnings.catch_warnings():  # torch marks TorchScript as deprecated in favour of torch.export
+        warnings.simplefilter("ignore", FutureWarning)
+        traced = torch.jit.trace(model, example)
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+    write_bytes_atomic(buffer.getvalue(), path)
+
+    def run_exported(images):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return torch.jit.load(path)(images)
+
+    return run_exported
+
+
+def export_onnx(model, example, path):
+    """Export with a dynamic batch dimension; checked with onnx.checker and run by onnxruntime."""
+    try:
+        import onnx
+        import onnxruntime
+    except ImportError:
+        raise UserError("--format onnx needs the onnx and onnxruntime packages: pip install onnx onnxruntime "
+                        "(or use --format torchscript)") from None
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (example,), buffer, input_names=["images"], output_names=["logits"],
+                      dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    onnx.checker.check_model(onnx.load_from_string(buffer.getvalue()))
+    write_bytes_atomic(buffer.getvalue(), path)
+
+    def run_exported(images):
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        return torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
+
+    return run_exported
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    model_name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
+    model = create_model(model_name, len(classes))
+    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
+    model.eval()
+    output = args.output or os.path.splitext(args.weights)[0] + SUFFIXES[args.format]
+
+    generator = torch.Generator().manual_seed(0)
+    example = torch.randn(2, 3, img_size, img_size, generator=generator)
+    with torch.no_grad():
+        run_exported = {"torchscript": export_torchscript, "onnx": export_onnx}[args.format](model, example, output)
+        check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
+        difference = float((run_exported(check) - model(check)).abs().max())
+    if difference > TOLERANCE:
+        os.remove(output)
+        raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "
+                        f"(more than {TOLERANCE:g}); {model_name} may not export this way")
+    print(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
+          f"{img_size}) normalised); max difference to the eager model on a check batch: {difference:.2e}")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,144 @@
+"""Predict the class of an image, or of every image in a folder, with trained weights.
+
+    python predict.py --weights weights/model-best.pth --image my_photo.jpg
+    python predict.py --weights weights/model-best.pth --image photos/ --output predictions.csv
+
+The model name and image size come from the run's args.json beside the weights, the class
+names from its class_indices.json (or from --model, --img-size, --class-indices).
+"""
+import argparse
+import csv
+import io
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from model import create_model, load_exact_weights, load_state_dict_file
+from multi_train_utils.checkpoint import write_text_atomic
+from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
+from multi_train_utils.errors import RankError, UserError, run_cli
+from multi_train_utils.train_eval_utils import DeviceNormalizer
+from my_dataset import read_image_uint8
+from utils import IMG_EXTENSIONS, build_transforms, read_run_settings, resize_size
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Predict image classes with trained weights.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+    parser.add_argument("--image", required=True, help="an image file, or a folder (searched recursively)")
+    parser.add_argument("--top-k", type=int, default=3, help="how many classes to print per image")
+    parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's probability")
+    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
+    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
+    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    parser.add_argument("--workers", type=int, default=None, help="loader processes (default: the cores, up to 8)")
+    parser.add_argument("--device", default="auto", help="auto (GPU if there is one), cpu, cuda, cuda:N or mps")
+    return parser
+
+
+def find_images(path):
+    """``path`` itself, or the image files below it (recursively, hidden ones left out), sorted."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise UserError(f"--image {path}: no such file or folder")
+    found = []
+    for folder, subfolders, files in os.walk(path):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        found += [os.path.join(folder, name) for name in sorted(files)
+                  if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMG_EXTENSIONS]
+    if not found:
+        raise UserError(f"--image {path}: no image files in that folder ({', '.join(IMG_EXTENSIONS)})")
+    return found
+
+
+class ImageFiles(Dataset):
+    """Images for prediction; a file that cannot be decoded yields its error instead."""
+
+    def __init__(self, paths, transform, keep_side):
+        self.paths, self.transform, self.keep_side = paths, transform, keep_side
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        try:
+            return self.transform(read_image_uint8(self.paths[index], self.keep_side)), index, None
+        except RankError as e:
+            return None, index, str(e)
+
+    @staticmethod
+    def collate_fn(batch):
+        good = [(image, index) for image, index, error in batch if error is None]
+        errors = [(index, error) for _, index, error in batch if error is not None]
+        images = torch.stack([image for image, _ in good]) if good else None
+        return images, [index for _, index in good], errors
+
+
+@torch.no_grad()
+def predict(model, loader, device, progress=True):
+    """Yield (index, probabilities) for each decodable image and (index, error) for the others."""
+    to_device = DeviceNormalizer(device)
+    for images, indices, errors in tqdm(loader, desc="[predict]", disable=not progress, file=sys.stdout):
+        for index, error in errors:
+            yield index, error
+        if images is not None:
+            probabilities = torch.softmax(model(to_device.normalize(images)).float(), dim=1).cpu()
+            yield from zip(indices, probabilities)
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    if args.top_k < 1 or args.batch_size < 1:
+        raise UserError("--top-k and --batch-size must be at least 1")
+    model_name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
+    paths = find_images(args.image)
+    device = select_device(args.device)
+    configure_cpu_threads(device)
+
+    model = create_model(model_name, len(classes))
+    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
+    model.to(device).eval()
+
+    _, transform = build_transforms(img_size)  # the validation transform: resize + center crop
+    dataset = ImageFiles(paths, transform, keep_side=resize_size(img_size))
+    workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1, max(0, len(paths) // 8))
+    loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers, collate_fn=dataset.collate_fn,
+                        pin_memory=device.type == "cuda")
+    folder = os.path.isdir(args.image)
+    rows, skipped = [], []
+    for index, result in predict(model, loader, device, progress=folder):
+        if isinstance(result, str):
+            skipped.append(paths[index])
+            tqdm.write(f"warning: skipping {paths[index]}: {result}", file=sys.stdout)
+            continue
+        rows.append((paths[index], result))
+        if args.output is None:
+            top = torch.topk(result, min(args.top_k, len(classes)))
+            tqdm.write(f"{paths[index]}: " + ", ".join(f"{classes[int(i)]} {float(p):.3f}"
+                                                       for p, i in zip(top.values, top.indices)), file=sys.stdout)
+    if not rows:
+        raise UserError(f"--image {args.image}: no image could be decoded")
+    if args.output:
+        write_text_atomic(predictions_csv(rows, classes), args.output)
+        print(f"wrote {len(rows)} predictions to {args.output}" + (f"; skipped {len(skipped)} files" if skipped else ""))
+
+
+def predictions_csv(rows, classes):
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["path", "prediction", "probability", *classes])
+    for path, probabilities in rows:
+        best = int(probabilities.argmax())
+        writer.writerow([path, classes[best], f"{float(probabilities[best]):.6f}",
+                         *(f"{float(p):.6f}" for p in probabilities)])
+    return buffer.getvalue()
+
+
+if __name__ == "__main__":
+    run_cli(main)

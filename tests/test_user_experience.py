@@ -1,0 +1,222 @@
+"""What a user sees and gets: the flower download, pictures of a run, train.log, the start and
+end summaries, predict.py, --eval-output and export.py."""
+import csv
+import glob
+import hashlib
+import os
+import random
+import tarfile
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CLASSES, PYTHON, read_metrics, run, script, write_class_folder
+from multi_train_utils.errors import UserError
+from utils import download_flower_photos
+
+PNGS = ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png")
+
+
+# --- --download ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def flower_archive(tmp_path):
+    """A small flower_photos.tgz built here: flower_photos/<class>/*.jpg plus a LICENSE.txt."""
+    source = tmp_path / "source" / "flower_photos"
+    rng = random.Random(0)
+    counts = {"daisy": 3, "roses": 2}
+    for name, count in counts.items():
+        write_class_folder(str(source), name, count, rng)
+    (source / "LICENSE.txt").write_text("licence text")
+    archive = tmp_path / "flower_photos.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source, arcname="flower_photos")
+    data = archive.read_bytes()
+    return {"url": archive.as_uri(), "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "counts": counts}
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_download_with_a_wrong_checksum_is_rejected_and_leaves_nothing(flower_archive, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for change, message in (({"sha256": "0" * 64}, "SHA-256"), ({"size": flower_archive["size"] + 1}, "bytes")):
+        settings = {**flower_archive, **change}
+        with pytest.raises(UserError, match=message):
+            download_flower_photos(str(data / "flower_photos"), **settings)
+        assert leftovers(data) == []  # no archive, no half-extracted folder
+
+
+def test_download_extracts_class_folders_once(flower_archive, tmp_path):
+    root = tmp_path / "data" / "flower_photos"
+    download_flower_photos(str(root), **flower_archive)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["daisy", "roses"]
+    assert len(list((root / "daisy").glob("*.jpg"))) == 3 and len(list((root / "roses").glob("*.jpg"))) == 2
+    assert leftovers(root.parent) == ["flower_photos"]
+    stamp = os.stat(root / "daisy").st_mtime_ns
+    # a second call does nothing: not even the (now unreachable) URL is opened
+    download_flower_photos(str(root), url="file:///nonexistent/flower_photos.tgz", size=1, sha256="0")
+    assert os.stat(root / "daisy").st_mtime_ns == stamp
+
+
+def test_download_with_wrong_class_counts_is_rejected(flower_archive, tmp_path):
+    data = tmp_path / "data"
+    settings = {**flower_archive, "counts": {"daisy": 4, "roses": 2}}
+    with pytest.raises(UserError, match="daisy has 3 images, expected 4"):
+        download_flower_photos(str(data / "flower_photos"), **settings)
+    assert leftovers(data) == []
+
+
+# --- What a training run leaves ------------------------------------------------------------------
+
+def test_a_run_draws_every_picture(single_run):
+    out = single_run["out"]
+    for name in PNGS:
+        path = os.path.join(out, name)
+        with Image.open(path) as img:
+            img.verify()
+        with Image.open(path) as img:
+            assert img.format == "PNG" and min(img.size) >= 200, (name, img.size)
+        assert os.path.getsize(path) > 5000, name
+    with open(os.path.join(out, "confusion_matrix.csv")) as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["true/predicted", *CLASSES] and [r[0] for r in rows[1:]] == CLASSES
+    counts = [[int(v) for v in r[1:]] for r in rows[1:]]
+    assert sum(map(sum, counts)) == 7  # every validation image once
+    assert [sum(r) for r in counts] == [2, 2, 1, 1, 1]
+    best = max(float(r["val_accuracy"]) for r in read_metrics(out))
+    assert sum(counts[i][i] for i in range(5)) == round(best * 7)  # the best epoch's matrix
+
+
+def test_tensorboard_holds_the_pictures(single_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = glob.glob(single_run["out"] + "-tb/*/events.out.tfevents.*")
+    accumulator = EventAccumulator(events, size_guidance={"images": 0})
+    accumulator.Reload()
+    assert set(accumulator.Tags()["images"]) == {"data/class_distribution", "data/batch_preview",
+                                                 "summary/curves", "summary/confusion_matrix"}
+
+
+def test_train_log_and_summaries(single_run):
+    with open(os.path.join(single_run["out"], "train.log"), newline="") as f:
+        log = f.read()
+    assert "\r" not in log
+    stdout = single_run["result"].stdout
+    for text in ("world size: 1 (single process", "split: 36 train, 7 val images", "model: resnet18",
+                 "batch: 4 per process x 1 accumulation steps x 1 processes = 4 per optimizer step",
+                 "[epoch 1] train_loss", "best val accuracy:", "best weights: ", "plots: ",
+                 "tensorboard --logdir"):
+        assert text in stdout, text
+        assert text in log, text
+    assert log.count("[train epoch 0]") == 1  # the bar's final state only
+
+
+def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(single_run["out"], run_dir)
+    os.remove(run_dir / "curves.png")
+    result = run([PYTHON, script("utils.py"), "plot", str(run_dir)])
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and "(2 epochs)" in result.stdout
+    with Image.open(run_dir / "curves.png") as img:
+        assert min(img.size) >= 200
+    missing = run([PYTHON, script("utils.py"), "plot", str(tmp_path / "nope")])
+    assert missing.returncode == 2 and "metrics.csv: cannot be read" in missing.stderr
+
+
+# --- predict.py -----------------------------------------------------------------------------------
+
+def test_predict_a_file_and_a_folder_with_a_corrupt_image(single_run, tiny_data, tmp_path):
+    weights = os.path.join(single_run["out"], "model-best.pth")
+    folder = tmp_path / "photos"
+    write_class_folder(str(folder), "roses", 3, random.Random(5))
+    write_class_folder(str(folder / "more"), "tulips", 2, random.Random(6))
+    (folder / "corrupt.jpg").write_bytes(b"not a jpeg at all")
+    one = sorted((folder / "roses").glob("*.png")) + sorted((folder / "roses").glob("*.jpg"))
+
+    single = run([PYTHON, script("predict.py"), "--weights", weights, "--image", str(one[0]), "--top-k", "2"])
+    assert single.returncode == 0, single.stderr
+    (line,) = [l for l in single.stdout.splitlines() if l.startswith(str(one[0]))]
+    names = [part.rsplit(" ", 1)[0] for part in line.split(": ", 1)[1].split(", ")]
+    assert len(names) == 2 and set(names) <= set(CLASSES)
+
+    output = tmp_path / "predictions.csv"
+    many = run([PYTHON, script("predict.py"), "--weights", weights, "--image", str(folder), "--output", str(output)])
+    assert many.returncode == 0, many.stderr
+    assert f"skipping {folder / 'corrupt.jpg'}" in many.stdout
+    with open(output) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 5  # 3 + 2 in a sub-folder; the corrupt one skipped
+    assert list(rows[0]) == ["path", "prediction", "probability", *CLASSES]  # class_indices.json's names
+    for row in rows:
+        probabilities = [float(row[c]) for c in CLASSES]
+        assert sum(probabilities) == pytest.approx(1, abs=1e-4)
+        assert row["prediction"] == CLASSES[probabilities.index(max(probabilities))]
+
+
+# --- --eval-only with --eval-output and a checkpoint --------------------------------------------
+
+def test_eval_only_writes_the_confusion_matrix_only_with_eval_output(single_run, tmp_path):
+    out = single_run["out"]
+    target = tmp_path / "evaluation"
+    result = run([PYTHON, script("train_single.py"), "--eval-only", "--weights", os.path.join(out, "checkpoint.pth"),
+                  "--workers", "0", "--eval-output", str(target)], cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    correct = round(float(read_metrics(out)[-1]["val_accuracy"]) * 7)  # checkpoint.pth: the last epoch
+    assert result.stdout.strip().splitlines()[-1] == f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
+    assert sorted(os.listdir(target)) == ["confusion_matrix.csv", "confusion_matrix.png"]
+    with open(target / "confusion_matrix.csv") as f:
+        counts = [[int(v) for v in r[1:]] for r in list(csv.reader(f))[1:]]
+    assert sum(map(sum, counts)) == 7 and sum(counts[i][i] for i in range(5)) == correct
+    assert sorted(os.listdir(tmp_path)) == ["evaluation"]  # nothing else written
+
+
+# --- export.py ------------------------------------------------------------------------------------
+
+def exported_matches_eager(single_run, tmp_path, fmt, load):
+    from model import create_model
+
+    weights = os.path.join(single_run["out"], "model-best.pth")
+    output = tmp_path / f"model.{fmt}"
+    result = run([PYTHON, script("export.py"), "--weights", weights, "--format", fmt, "--output", str(output)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "max difference to the eager model" in result.stdout
+    model = create_model("resnet18", 5)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    model.eval()
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (load(str(output), images) - model(images)).abs().max() <= 1e-4
+
+
+def test_export_torchscript(single_run, tmp_path):
+    exported_matches_eager(single_run, tmp_path, "torchscript", lambda path, x: torch.jit.load(path)(x))
+
+
+def test_export_onnx(single_run, tmp_path):
+    pytest.importorskip("onnx", reason="ONNX export is optional: pip install onnx onnxruntime")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export is optional: pip install onnx onnxruntime")
+
+    def load(path, images):
+        session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        return torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
+
+    exported_matches_eager(single_run, tmp_path, "onnx", load)
+
+
+def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("onnx") and importlib.util.find_spec("onnxruntime"):
+        pytest.skip("onnx is installed here; test_export_onnx covers it")
+    result = run([PYTHON, script("export.py"), "--weights", os.path.join(single_run["out"], "model-best.pth"),
+                  "--format", "onnx", "--output", str(tmp_path / "m.onnx")])
+    assert result.returncode == 2 and "pip install onnx onnxruntime" in result.stderr
+    assert not (tmp_path / "m.onnx").exists()
