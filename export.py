@@ -9,6 +9,7 @@ returns one logit per class (class_indices.json). Each file is loaded back and i
 compared with the eager model's on a random batch before the command reports success.
 """
 import argparse
+import inspect
 import io
 import os
 import warnings
@@ -62,8 +63,11 @@ def export_onnx(model, example, path):
         raise UserError("--format onnx needs the onnx and onnxruntime packages: pip install onnx onnxruntime "
                         "(or use --format torchscript)") from None
     buffer = io.BytesIO()
-    torch.onnx.export(model, (example,), buffer, input_names=["images"], output_names=["logits"],
-                      dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    options = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+    with warnings.catch_warnings():  # torch >= 2.9 calls this (TorchScript-based) exporter legacy
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(model, (example,), buffer, input_names=["images"], output_names=["logits"],
+                          dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **options)
     onnx.checker.check_model(onnx.load_from_string(buffer.getvalue()))
     write_bytes_atomic(buffer.getvalue(), path)
 
@@ -87,7 +91,11 @@ def main(argv=None):
     with torch.no_grad():
         run_exported = {"torchscript": export_torchscript, "onnx": export_onnx}[args.format](model, example, output)
         check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
-        difference = float((run_exported(check) - model(check)).abs().max())
+        try:
+            difference = float((run_exported(check) - model(check)).abs().max())
+        except BaseException:
+            os.remove(output)  # never leave a file that was not checked
+            raise
     if difference > TOLERANCE:
         os.remove(output)
         raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "

@@ -30,6 +30,7 @@ from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
@@ -48,6 +49,7 @@ def main(argv=None):
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     is_main = env.rank == 0
+    run_log = RunLog() if is_main else None  # what rank 0 prints goes to train.log too
     install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
 
     # 1. Process group (none for a single process started without a launcher).
@@ -111,7 +113,7 @@ def main(argv=None):
         lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                            args.epochs, args.warmup_epochs, args.lrf, start_epoch)
 
-        recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path)  # 7. only rank 0 writes
+        recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path, run_log)  # 7. only rank 0 writes
         if is_main:
             print_start_summary(args, split, device, precision, model, lr, workers, recorder.log_dir,
                                 env.world_size, env.launcher, args.dist_backend if args.distributed else "-")

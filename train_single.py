@@ -18,6 +18,7 @@ from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
@@ -27,6 +28,7 @@ from utils import build_datasets, default_workers, make_loader, print_data_summa
 
 
 def main(argv=None):
+    run_log = RunLog()  # what this process prints goes to train.log too, once the output dir is checked
     args = parse_args(get_args_parser(distributed=False), argv)
     device = select_device(args.device)
     configure_cpu_threads(device)
@@ -73,7 +75,7 @@ def main(argv=None):
     lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                        args.epochs, args.warmup_epochs, args.lrf, start_epoch)
 
-    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path)
+    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
     print_start_summary(args, split, device, precision, model, args.lr, workers, recorder.log_dir)
     recorder.plot_data(split, train_set)  # class_distribution.png, batch_preview.png
     for epoch in range(start_epoch, args.epochs):

@@ -1,5 +1,6 @@
 """Data helpers: find classes, split them, write the class index file, build transforms and
 loaders, and generate the offline demo dataset."""
+import glob
 import json
 import os
 import random
@@ -173,6 +174,8 @@ def read_class_indices(path):
 def read_run_settings(weights, model=None, img_size=None, class_indices=None):
     """(model name, image size, class names) of the run that wrote ``weights``: the given
     values first, else its args.json and class_indices.json beside the weights."""
+    if not os.path.isfile(weights):
+        raise UserError(f"--weights {weights}: no such file (e.g. weights/model-best.pth of a finished run)")
     run_dir = os.path.dirname(os.path.abspath(weights))
     run_args = {}
     args_file = os.path.join(run_dir, "args.json")
@@ -235,24 +238,23 @@ def default_workers(local_world_size=1):
 
 
 # --- Pictures -----------------------------------------------------------------------------------
-# matplotlib draws into PNG files (and TensorBoard) with the Agg backend: never a window, and
-# it works on servers without a display.
+# matplotlib Figures drawn straight into PNG files (and TensorBoard) by its Agg renderer:
+# never a window, no display needed, and pyplot's global state is left alone.
 
 PLOT_FILES = {"class_distribution": "class_distribution.png", "batch_preview": "batch_preview.png",
               "curves": "curves.png", "confusion_matrix": "confusion_matrix.png"}
+MAX_INCHES = 20  # figures grow with the number of classes up to this size
+MAX_LABELLED_CLASSES = 50  # beyond this, class names are left off the axes
 
 
-def _pyplot():
-    import matplotlib
+def _figure(width, height):
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(figsize=(min(width, MAX_INCHES), min(height, MAX_INCHES)))
 
 
 def save_figure(fig, path, writer=None, tag=None, step=0):
-    """Write ``fig`` as a PNG (atomically), log it to TensorBoard if given a writer, close it."""
+    """Write ``fig`` as a PNG (atomically), and log it to TensorBoard if given a writer."""
     import io
 
     from multi_train_utils.checkpoint import write_bytes_atomic
@@ -262,22 +264,26 @@ def save_figure(fig, path, writer=None, tag=None, step=0):
     write_bytes_atomic(buffer.getvalue(), path)
     if writer is not None:
         writer.add_figure(tag, fig, step, close=False)
-    _pyplot().close(fig)
     return path
+
+
+def _class_ticks(set_ticks, classes, rotate):
+    if len(classes) <= MAX_LABELLED_CLASSES:
+        set_ticks(range(len(classes)), classes, rotation=45 if rotate else 0, ha="right" if rotate else "center")
 
 
 def plot_class_distribution(split):
     """Bar chart of the images per class in the training and validation splits."""
-    plt = _pyplot()
+    fig = _figure(max(6, 0.8 * len(split.classes)), 4)
+    ax = fig.subplots()
     train = [split.train_images_label.count(i) for i in range(len(split.classes))]
     val = [split.val_images_label.count(i) for i in range(len(split.classes))]
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(split.classes)), 4))
     x = range(len(split.classes))
-    bars = ax.bar([i - 0.2 for i in x], train, width=0.4, label=f"train ({sum(train)})")
-    ax.bar_label(bars, fontsize=8)
-    bars = ax.bar([i + 0.2 for i in x], val, width=0.4, label=f"val ({sum(val)})")
-    ax.bar_label(bars, fontsize=8)
-    ax.set_xticks(list(x), split.classes, rotation=30 if len(split.classes) > 6 else 0, ha="right")
+    for offset, counts, name in ((-0.2, train, "train"), (0.2, val, "val")):
+        bars = ax.bar([i + offset for i in x], counts, width=0.4, label=f"{name} ({sum(counts)})")
+        if len(split.classes) <= MAX_LABELLED_CLASSES:
+            ax.bar_label(bars, fontsize=8)
+    _class_ticks(ax.set_xticks, split.classes, rotate=len(split.classes) > 6)
     ax.set_ylabel("images")
     ax.set_title("images per class")
     ax.legend()
@@ -286,11 +292,11 @@ def plot_class_distribution(split):
 
 def plot_batch_preview(images, labels, classes):
     """A grid of augmented training images (uint8, as the loader gives them) with class names."""
-    plt = _pyplot()
     n = len(images)
     cols = min(8, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows), squeeze=False)
+    fig = _figure(1.6 * cols, 1.8 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, label in zip(axes.flat, images, labels):
@@ -304,10 +310,9 @@ def plot_training_curves(rows):
     """Loss, validation accuracy and learning rate per epoch, from metrics.csv's rows."""
     from matplotlib.ticker import MaxNLocator
 
-    plt = _pyplot()
     epochs = [int(r["epoch"]) for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, key, title in zip(axes, ("train_loss", "val_accuracy", "lr"),
+    fig = _figure(12, 3.4)
+    for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", "val_accuracy", "lr"),
                               ("training loss", "validation accuracy", "learning rate")):
         ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
         ax.set_title(title)
@@ -318,13 +323,14 @@ def plot_training_curves(rows):
 
 
 def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
-    """Counts of true class (rows) against predicted class (columns)."""
-    plt = _pyplot()
+    """Counts of true class (rows) against predicted class (columns); confusion_matrix.csv
+    holds the exact numbers when there are too many classes to write them in."""
     size = max(4, 0.6 * len(classes) + 2)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig = _figure(size, size)
+    ax = fig.subplots()
     ax.imshow(confusion.numpy(), cmap="Blues")
-    ax.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-    ax.set_yticks(range(len(classes)), classes)
+    _class_ticks(ax.set_xticks, classes, rotate=True)
+    _class_ticks(ax.set_yticks, classes, rotate=False)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     peak = int(confusion.max()) if confusion.numel() else 0
@@ -398,10 +404,14 @@ def download_flower_photos(root, url=FLOWER_PHOTOS_URL, size=FLOWER_PHOTOS_BYTES
         return root
     parent = os.path.dirname(os.path.abspath(root))
     os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(os.path.join(glob.escape(parent), ".flower_photos-*.tgz.part")):
+        os.remove(stale)  # left by a download that was killed
+    for stale in glob.glob(os.path.join(glob.escape(parent), ".extract-*")):
+        shutil.rmtree(stale, ignore_errors=True)
     fd, archive = tempfile.mkstemp(prefix=".flower_photos-", suffix=".tgz.part", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            _fetch(url, f, size)
+            _fetch(url, f, size, root)
         check_archive(archive, size, sha256)
         extract_dataset(archive, root, counts)
     finally:
@@ -409,7 +419,14 @@ def download_flower_photos(root, url=FLOWER_PHOTOS_URL, size=FLOWER_PHOTOS_BYTES
     return root
 
 
-def _fetch(url, file, size):
+def download_failure_marker(root):
+    """The file local rank 0 leaves when its download failed, so that the ranks waiting for
+    ``root`` stop with its message instead of waiting (one name per job: its port)."""
+    parent, name = os.path.split(os.path.abspath(root))
+    return os.path.join(parent, f".{name}.download-failed-{os.environ.get('MASTER_PORT', '0')}")
+
+
+def _fetch(url, file, size, root):
     import urllib.error
     import urllib.request
 
@@ -424,10 +441,13 @@ def _fetch(url, file, size):
                         break
                     file.write(chunk)
                     bar.update(len(chunk))
+    except urllib.error.HTTPError as e:
+        raise UserError(f"--download: {url} answered HTTP {e.code} ({e.reason}); try again later") from None
     except (urllib.error.URLError, OSError) as e:
+        parent = os.path.dirname(root) or "."
         raise UserError(
             f"--download: cannot fetch {url} ({getattr(e, 'reason', e)}). Offline? Download it by hand, then: "
-            "mkdir -p data && tar xzf flower_photos.tgz -C data (gives data/flower_photos)") from None
+            f"mkdir -p {parent} && tar xzf flower_photos.tgz -C {parent} (gives {parent}/flower_photos)") from None
 
 
 def check_archive(path, size, sha256):
@@ -454,8 +474,11 @@ def extract_dataset(archive, root, counts=None):
     parent = os.path.dirname(os.path.abspath(root))
     tmp = tempfile.mkdtemp(prefix=".extract-", dir=parent)
     try:
-        with tarfile.open(archive, "r:gz") as tar:
-            tar.extractall(tmp, filter="data")  # no absolute paths, links out or device files
+        try:
+            with tarfile.open(archive, "r:gz") as tar:
+                tar.extractall(tmp, filter="data")  # no absolute paths, links out or device files
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise UserError(f"--download: the archive cannot be extracted ({e}); try again") from None
         tops = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
         if len(tops) != 1:
             raise UserError(f"--download: the archive holds {len(tops)} top folders, expected one")
@@ -464,7 +487,11 @@ def extract_dataset(archive, root, counts=None):
             found = len(list_images(os.path.join(top, name))) if os.path.isdir(os.path.join(top, name)) else 0
             if found != expected:
                 raise UserError(f"--download: {name} has {found} images, expected {expected}; try again")
-        os.rename(top, root)
+        try:
+            os.rename(top, root)
+        except OSError:
+            if not os.path.isdir(root):  # another node sharing the folder finishing first is fine
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -541,10 +568,14 @@ def make_demo_dataset(root, images_per_class=60, seed=0, min_size=120, max_size=
     return root
 
 
-def wait_for_folder(path, timeout_s=600):
-    """Wait until another process has created ``path`` (used by ranks that don't write data)."""
+def wait_for_folder(path, timeout_s=600, failure_marker=None):
+    """Wait until another process has created ``path`` (used by ranks that don't write data);
+    stop with its message if that process left ``failure_marker`` instead."""
     deadline = time.monotonic() + timeout_s
     while not os.path.isdir(path):
+        if failure_marker and os.path.exists(failure_marker):
+            with open(failure_marker) as f:
+                raise UserError(f.read().strip())
         if time.monotonic() > deadline:
             raise UserError(f"{path}: not created by local rank 0 within {timeout_s} s")
         time.sleep(0.2)
@@ -567,10 +598,19 @@ def load_data(args, local_rank=0, world_size=1):
         else:
             wait_for_folder(args.data_path)
     if args.download:
+        marker = download_failure_marker(args.data_path)
         if local_rank == 0:
-            download_flower_photos(args.data_path)
+            for stale in glob.glob(glob.escape(marker.rsplit("-", 1)[0]) + "-*"):
+                os.remove(stale)
+            try:
+                download_flower_photos(args.data_path)
+            except UserError as e:
+                if world_size > 1:  # tell the other local ranks, which wait for the folder
+                    with open(marker, "w") as f:
+                        f.write(str(e))
+                raise
         else:
-            wait_for_folder(args.data_path, timeout_s=3600)
+            wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
     split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
     found = len(split.classes)
     if args.num_classes is not None and args.num_classes != found:

@@ -15,13 +15,13 @@ class RunInputs(NamedTuple):
 
 def read_inputs(args, local_rank=0, world_size=1, verbose=True):
     """Split the data, read --weights and --resume, check --output-dir: a UserError on bad input."""
-    split = load_data(args, local_rank, world_size)
     resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
+    if not args.eval_only:  # before --download or --demo fetch or write anything
+        check_output_dir(args.output_dir, args.overwrite, resume_path)
+    split = load_data(args, local_rank, world_size)
     if checkpoint is not None:
         check_resume_compatible(checkpoint, resume_path, args, split.classes, args.epochs)
     weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
-    if not args.eval_only:
-        check_output_dir(args.output_dir, args.overwrite, resume_path)
     return RunInputs(split, weights, resume_path, checkpoint)
 
 

@@ -8,7 +8,6 @@ from multi_train_utils.checkpoint import (CHECKPOINT, PREVIOUS_CHECKPOINT, clear
                                           clear_leftover_temporary_files, model_epoch_files, resumes_in, rng_state,
                                           save_atomic, save_checkpoint, write_json_atomic, write_text_atomic)
 from multi_train_utils.options import args_to_dict
-from multi_train_utils.run_log import RunLog
 from multi_train_utils.summary import print_end_summary
 from utils import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                    save_confusion_matrix, save_figure, write_class_indices)
@@ -25,7 +24,7 @@ class RunRecorder:
     checkpoint and rewrites what came after it.
     """
 
-    def __init__(self, args, classes, enabled=True, checkpoint=None, resume_path=None):
+    def __init__(self, args, classes, enabled=True, checkpoint=None, resume_path=None, run_log=None):
         self.enabled = enabled
         self.args = args
         self.classes = classes
@@ -36,7 +35,7 @@ class RunRecorder:
         self.best_epoch = checkpoint.get("best_epoch", -1)
         self.best_confusion = checkpoint.get("best_confusion")
         self.started = time.perf_counter()
-        self.run_log = None
+        self.run_log = run_log
         resuming_here = resumes_in(resume_path, self.output_dir)
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
         self.log_dir = checkpoint.get("log_dir") if resuming_here else None
@@ -50,8 +49,8 @@ class RunRecorder:
         clear_leftover_temporary_files(self.output_dir)
         if not checkpoint and (args.overwrite or args.resume == "auto"):
             clear_earlier_run(self.output_dir)  # --resume auto with nothing to resume: a fresh start
-        # From here on, what rank 0 prints also goes to train.log (a resumed run adds to it).
-        self.run_log = RunLog(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
+        if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
+            run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
         if resume_path and resume_path.endswith(PREVIOUS_CHECKPOINT) and resuming_here:
             damaged = os.path.join(self.output_dir, CHECKPOINT)
             if os.path.exists(damaged):  # keep it out of the way: it must never become "previous"
@@ -162,6 +161,9 @@ class RunRecorder:
             save_confusion_matrix(self.best_confusion, self.classes, self.output_dir,
                                   f"best epoch {self.best_epoch}, validation", self.writer, last)
             plots.append("confusion_matrix")
+        else:  # a checkpoint from before confusion matrices were kept, and no better epoch since
+            print(f"note: no confusion matrix of the best epoch {self.best_epoch} was kept; draw one with "
+                  f"--eval-only --weights {os.path.join(self.output_dir, 'model-best.pth')} --eval-output DIR")
         print_end_summary(self.output_dir, self.best_accuracy, self.best_epoch,
                           time.perf_counter() - self.started, plots)
         self.close()

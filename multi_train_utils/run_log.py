@@ -11,9 +11,9 @@ def _last_state(line):
 class _Tee(io.TextIOBase):
     """A text stream that writes to the terminal and, as plain lines, to a log file."""
 
-    def __init__(self, stream, file):
+    def __init__(self, stream, log):
         self.stream = stream
-        self.file = file
+        self.log = log
         self.line = ""
 
     def write(self, text):
@@ -22,14 +22,13 @@ class _Tee(io.TextIOBase):
         head, sep, _ = self.line.rstrip("\r").rpartition("\r")
         if sep:  # keep only the latest redraw of an unfinished line
             self.line = self.line[len(head) + 1:]
-        if complete and not self.file.closed:
-            self.file.write("".join(_last_state(line) + "\n" for line in complete))
-            self.file.flush()
+        if complete:
+            self.log.write("".join(_last_state(line) + "\n" for line in complete))
         return len(text)
 
     def finish(self):
-        if _last_state(self.line).strip() and not self.file.closed:
-            self.file.write(_last_state(self.line) + "\n")
+        if _last_state(self.line).strip():
+            self.log.write(_last_state(self.line) + "\n")
         self.line = ""
 
     def flush(self):
@@ -47,20 +46,34 @@ class _Tee(io.TextIOBase):
 
 
 class RunLog:
-    """From now on, copies this process's stdout and stderr into ``path`` as plain lines
-    (progress bars as their final state, no carriage returns)."""
+    """Copies this process's stdout and stderr, as plain lines (progress bars as their final
+    state, no carriage returns): held in memory from the start, then into the file given to
+    ``attach`` once the output folder is known to be usable."""
 
-    def __init__(self, path, append=False):
-        self.file = open(path, "a" if append else "w", encoding="utf-8")
+    def __init__(self):
+        self.file = None
+        self.pending = []
         self.streams = (sys.stdout, sys.stderr)
-        sys.stdout, sys.stderr = _Tee(sys.stdout, self.file), _Tee(sys.stderr, self.file)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
+
+    def write(self, text):
+        if self.file is None:
+            self.pending.append(text)
+        elif not self.file.closed:
+            self.file.write(text)
+            self.file.flush()
+
+    def attach(self, path, append=False):
+        """Write what was printed so far to ``path`` (appending: a resumed run), then keep copying."""
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
+        self.write("".join(self.pending))
+        self.pending = []
 
     def close(self):
         """Stop copying and close the file."""
-        if self.file.closed:
-            return
         for tee in (sys.stdout, sys.stderr):
-            if isinstance(tee, _Tee):
+            if isinstance(tee, _Tee) and tee.log is self:
                 tee.finish()
         sys.stdout, sys.stderr = self.streams
-        self.file.close()
+        if self.file is not None and not self.file.closed:
+            self.file.close()

@@ -21,8 +21,11 @@ def print_start_summary(args, split, device, precision, model, lr, workers, log_
                         launcher="single process", backend="-"):
     """Devices, data, model, batch, learning rate and where everything goes."""
     print(RULE)
-    print(f"world size: {world_size} ({launcher}, backend {backend}), device: {describe_device(device)}"
-          + (" on every process" if world_size > 1 else ""))
+    if world_size > 1 and device.type == "cuda":
+        where = f"one GPU per process ({torch.cuda.get_device_name(device)})"
+    else:
+        where = describe_device(device) + (" per process" if world_size > 1 else "")
+    print(f"world size: {world_size} ({launcher}, backend {backend}), device: {where}")
     print(f"amp: {precision.describe()}, channels_last: {'on' if args.channels_last else 'off'}"
           + (", compiled" if args.compile else "") + (", grad-checkpoint" if args.grad_checkpoint else ""))
     print_data_summary(args, split)
@@ -51,7 +54,8 @@ def print_end_summary(output_dir, best_accuracy, best_epoch, seconds, plots):
     """Best accuracy and its epoch, the time taken, and where the weights and pictures are."""
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
-    print(f"best val accuracy: {best_accuracy:.4f} at epoch {best_epoch}; took {format_duration(seconds)}")
+    print(f"best val accuracy: {best_accuracy:.4f} at epoch {best_epoch}; this session took "
+          f"{format_duration(seconds)}")
     print(f"best weights: {best}")
     print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")

@@ -157,7 +157,8 @@ def case_resume_with_other_classes(tmp, data):
 
 
 def case_fp16_on_cpu(tmp, data):
-    return ["--data-path", data["train"], "--amp", "fp16"], ["--amp fp16 on a CPU", "--amp bf16, off or auto"]
+    return (["--data-path", data["train"], "--device", "cpu", "--amp", "fp16"],
+            ["--amp fp16 on a CPU", "--amp bf16, off or auto"])
 
 
 def case_zero_accumulation_steps(tmp, data):
@@ -190,6 +191,19 @@ def test_bad_input_single(case, tiny_data, tmp_path):
     assert not out.exists() or os.listdir(out) == ["checkpoint.pth"]  # nothing written (some cases bring a file)
     assert not (tmp_path / "MARKER").exists()
     assert not (tmp_path / "flowers").exists() and not list(tmp_path.glob(".flower_photos-*"))
+
+
+def test_download_offline_under_torchrun_stops_every_rank_at_once(tmp_path):
+    """Local rank 0 downloads while rank 1 waits for the folder: when the download fails,
+    rank 1 stops with the same message instead of waiting (or timing out a collective)."""
+    env = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": ""}
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
+                  *FAST, "--download", "--data-path", str(tmp_path / "data" / "flower_photos"),
+                  "--output-dir", str(tmp_path / "out"), "--dist-timeout", "60"], env=env, timeout=50)
+    assert result.returncode != 0
+    assert "error: --download: cannot fetch" in result.stderr
+    assert "collective timed out" not in result.stderr
+    assert not (tmp_path / "data" / "flower_photos").exists() and not (tmp_path / "out").exists()
 
 
 def test_nccl_on_cpu_is_refused(tiny_data, tmp_path):

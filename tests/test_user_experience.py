@@ -114,6 +114,14 @@ def test_train_log_and_summaries(single_run):
         assert text in stdout, text
         assert text in log, text
     assert log.count("[train epoch 0]") == 1  # the bar's final state only
+    assert "broken.jpg: not a readable image" in log  # printed before the output folder was ready
+
+
+def test_ddp_train_log_is_written_by_rank_0_only(ddp_run):
+    with open(os.path.join(ddp_run["out"], "train.log"), newline="") as f:
+        log = f.read()
+    assert "\r" not in log
+    assert log.count("world size: 2 (torchrun, backend gloo)") == 1 and log.count("[epoch 1] train_loss") == 1
 
 
 def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
@@ -134,7 +142,17 @@ def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
 # --- predict.py -----------------------------------------------------------------------------------
 
 def test_predict_a_file_and_a_folder_with_a_corrupt_image(single_run, tiny_data, tmp_path):
-    weights = os.path.join(single_run["out"], "model-best.pth")
+    import json
+    import shutil
+
+    # the weights with their args.json, and class names that only class_indices.json knows
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name in ("model-best.pth", "args.json"):
+        shutil.copy(os.path.join(single_run["out"], name), run_dir / name)
+    names = [f"kind-{c}" for c in CLASSES]
+    (run_dir / "class_indices.json").write_text(json.dumps({str(i): c for i, c in enumerate(names)}))
+    weights = str(run_dir / "model-best.pth")
     folder = tmp_path / "photos"
     write_class_folder(str(folder), "roses", 3, random.Random(5))
     write_class_folder(str(folder / "more"), "tulips", 2, random.Random(6))
@@ -144,8 +162,8 @@ def test_predict_a_file_and_a_folder_with_a_corrupt_image(single_run, tiny_data,
     single = run([PYTHON, script("predict.py"), "--weights", weights, "--image", str(one[0]), "--top-k", "2"])
     assert single.returncode == 0, single.stderr
     (line,) = [l for l in single.stdout.splitlines() if l.startswith(str(one[0]))]
-    names = [part.rsplit(" ", 1)[0] for part in line.split(": ", 1)[1].split(", ")]
-    assert len(names) == 2 and set(names) <= set(CLASSES)
+    top = [part.rsplit(" ", 1)[0] for part in line.split(": ", 1)[1].split(", ")]
+    assert len(top) == 2 and set(top) <= set(names)
 
     output = tmp_path / "predictions.csv"
     many = run([PYTHON, script("predict.py"), "--weights", weights, "--image", str(folder), "--output", str(output)])
@@ -154,11 +172,13 @@ def test_predict_a_file_and_a_folder_with_a_corrupt_image(single_run, tiny_data,
     with open(output) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 5  # 3 + 2 in a sub-folder; the corrupt one skipped
-    assert list(rows[0]) == ["path", "prediction", "probability", *CLASSES]  # class_indices.json's names
+    assert list(rows[0]) == ["path", "prediction", "probability", *names]  # class_indices.json's names
     for row in rows:
-        probabilities = [float(row[c]) for c in CLASSES]
+        probabilities = [float(row[c]) for c in names]
         assert sum(probabilities) == pytest.approx(1, abs=1e-4)
-        assert row["prediction"] == CLASSES[probabilities.index(max(probabilities))]
+        assert row["prediction"] == names[probabilities.index(max(probabilities))]
+    missing = run([PYTHON, script("predict.py"), "--weights", str(run_dir / "nope.pth"), "--image", str(folder)])
+    assert missing.returncode == 2 and "nope.pth: no such file" in missing.stderr
 
 
 # --- --eval-only with --eval-output and a checkpoint --------------------------------------------
