@@ -80,6 +80,7 @@ def get_args_parser(distributed):
     run.add_argument("--device", default="auto", help="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps")
     run.add_argument("--output-dir", default="weights", help="where model-{epoch}.pth, metrics.csv, args.json and class_indices.json go")
     run.add_argument("--log-dir", default="runs", help="TensorBoard logs go into a sub-folder named after the output dir and the start time")
+    run.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="draw class_distribution.png, batch_preview.png, curves.png and confusion_matrix.png (and log them to TensorBoard)")
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
     run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
     run.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the last K model-{epoch}.pth files (model-best.pth and checkpoint.pth always stay; default: 0, keep all)")

@@ -135,7 +135,7 @@ class RunRecorder:
     def plot_data(self, split, train_set, count=16):
         """class_distribution.png and batch_preview.png (augmented training images), also in
         TensorBoard."""
-        if not self.enabled:
+        if not self.enabled or not self.args.plots:
             return
         save_figure(plot_class_distribution(split), self._plot_path("class_distribution"), self.writer,
                     "data/class_distribution")
@@ -153,6 +153,12 @@ class RunRecorder:
         the end summary; then TensorBoard and train.log are closed."""
         if not self.enabled:
             return
+        plots = self._plot_results() if self.args.plots else []
+        print_end_summary(self.output_dir, self.best_accuracy, self.best_epoch,
+                          time.perf_counter() - self.started, plots)
+        self.close()
+
+    def _plot_results(self):
         last = int(self.rows[-1][0]) if self.rows else 0
         rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
         save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
@@ -164,9 +170,7 @@ class RunRecorder:
         else:  # a checkpoint from before confusion matrices were kept, and no better epoch since
             print(f"note: no confusion matrix of the best epoch {self.best_epoch} was kept; draw one with "
                   f"--eval-only --weights {os.path.join(self.output_dir, 'model-best.pth')} --eval-output DIR")
-        print_end_summary(self.output_dir, self.best_accuracy, self.best_epoch,
-                          time.perf_counter() - self.started, plots)
-        self.close()
+        return plots
 
     def close(self):
         if self.writer is not None:

@@ -57,6 +57,7 @@ def print_end_summary(output_dir, best_accuracy, best_epoch, seconds, plots):
     print(f"best val accuracy: {best_accuracy:.4f} at epoch {best_epoch}; this session took "
           f"{format_duration(seconds)}")
     print(f"best weights: {best}")
-    print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
+    if plots:
+        print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
     print(RULE, flush=True)

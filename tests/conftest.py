@@ -21,8 +21,9 @@ from utils import DEMO_CLASSES, _draw_flower  # noqa: E402
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
-# Small and fast: a small ResNet on 32 px images; every run also gets its own --log-dir.
-FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4"]
+# Small and fast: a small ResNet on 32 px images, no pictures (single_run draws them); every
+# run also gets its own --log-dir.
+FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4", "--no-plots"]
 CLASSES = list(DEMO_CLASSES)
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RUN_ID", "GROUP_RANK")
@@ -163,7 +164,8 @@ def train_args(tiny_data, output_dir, *extra):
 def single_run(tiny_data, tmp_path_factory):
     """python train_single.py, 2 epochs, one loader worker."""
     out = tmp_path_factory.mktemp("single") / "out"
-    result = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "2", "--workers", "1")])
+    result = run([PYTHON, script("train_single.py"),
+                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "1", "--plots")])
     assert result.returncode == 0, result.stdout + result.stderr
     return {"out": str(out), "result": result}
 

@@ -122,6 +122,7 @@ def test_ddp_train_log_is_written_by_rank_0_only(ddp_run):
         log = f.read()
     assert "\r" not in log
     assert log.count("world size: 2 (torchrun, backend gloo)") == 1 and log.count("[epoch 1] train_loss") == 1
+    assert not glob.glob(os.path.join(ddp_run["out"], "*.png"))  # this run had --no-plots
 
 
 def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
