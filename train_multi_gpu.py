@@ -34,9 +34,9 @@ from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
-                                                optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
+                                                optimizer_steps_per_epoch, report_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, load_data, make_loader, print_data_summary, save_confusion_matrix
+from utils import build_datasets, default_workers, load_data, make_loader
 
 
 def main(argv=None):
@@ -95,10 +95,7 @@ def main(argv=None):
         if args.eval_only:
             result = evaluate(model, val_loader, device, num_classes, settings)
             if is_main:
-                print_data_summary(args, split)
-                print_evaluation(result, split.classes)
-                if args.eval_output:
-                    save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
+                report_evaluation(result, split, args)  # and --eval-output's files
             return
 
         # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.

@@ -22,9 +22,9 @@ from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
-                                                optimizer_steps_per_epoch, print_evaluation, train_one_epoch)
+                                                optimizer_steps_per_epoch, report_evaluation, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, make_loader, print_data_summary, save_confusion_matrix
+from utils import build_datasets, default_workers, make_loader
 
 
 def main(argv=None):
@@ -61,11 +61,7 @@ def main(argv=None):
     settings = LoopSettings.from_args(args, precision)
 
     if args.eval_only:
-        result = evaluate(model, val_loader, device, num_classes, settings)
-        print_data_summary(args, split)
-        print_evaluation(result, split.classes)
-        if args.eval_output:
-            save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
+        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), split, args)
         return
 
     params = [p for p in model.parameters() if p.requires_grad]

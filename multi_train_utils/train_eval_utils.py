@@ -16,7 +16,7 @@ from model import set_train_mode
 from multi_train_utils.distributed_utils import all_reduce_sum, get_world_size, is_main_process, reduce_value
 from multi_train_utils.errors import UserError
 from multi_train_utils.performance import Precision
-from utils import IMAGENET_MEAN, IMAGENET_STD
+from utils import IMAGENET_MEAN, IMAGENET_STD, print_data_summary, save_confusion_matrix
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
 WARMUP_STEPS = 2
@@ -242,3 +242,12 @@ def print_evaluation(result, classes):
         total, correct = int(row.sum()), int(row[i])
         print(f"  {name:<{width}}  {correct / max(1, total):.6f} ({correct}/{total})")
     print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
+
+
+def report_evaluation(result, split, args):
+    """What --eval-only prints (data, per-class and top-1 accuracy) and, with --eval-output,
+    writes (the confusion matrix as PNG and CSV). Rank 0 only."""
+    print_data_summary(args, split)
+    print_evaluation(result, split.classes)
+    if args.eval_output:
+        save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
