@@ -16,10 +16,9 @@ import warnings
 
 import torch
 
-from model import create_model, load_exact_weights, load_state_dict_file
+from model import add_trained_model_flags, load_trained_model
 from multi_train_utils.checkpoint import write_bytes_atomic
 from multi_train_utils.errors import UserError, run_cli
-from utils import read_run_settings
 
 TOLERANCE = 1e-4
 SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
@@ -28,12 +27,9 @@ SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
 def get_args_parser():
     parser = argparse.ArgumentParser(description="Export trained weights to TorchScript or ONNX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+    add_trained_model_flags(parser)
     parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="torchscript, or onnx (needs the onnx and onnxruntime packages)")
     parser.add_argument("--output", default=None, help="the file to write (default: beside the weights, e.g. model-best.torchscript.pt)")
-    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
-    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
-    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")
     return parser
 
 
@@ -80,10 +76,7 @@ def export_onnx(model, example, path):
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
-    model_name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
-    model = create_model(model_name, len(classes))
-    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
-    model.eval()
+    model, model_name, img_size, classes = load_trained_model(args)
     output = args.output or os.path.splitext(args.weights)[0] + SUFFIXES[args.format]
 
     generator = torch.Generator().manual_seed(0)

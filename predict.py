@@ -16,25 +16,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from model import create_model, load_exact_weights, load_state_dict_file
+from model import add_trained_model_flags, load_trained_model
 from multi_train_utils.checkpoint import write_text_atomic
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import RankError, UserError, run_cli
 from multi_train_utils.train_eval_utils import DeviceNormalizer
 from my_dataset import read_image_uint8
-from utils import IMG_EXTENSIONS, build_transforms, read_run_settings, resize_size
+from utils import IMG_EXTENSIONS, build_transforms, resize_size
 
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description="Predict image classes with trained weights.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+    add_trained_model_flags(parser)
     parser.add_argument("--image", required=True, help="an image file, or a folder (searched recursively)")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to print per image")
     parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's probability")
-    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
-    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
-    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: the cores, up to 8)")
     parser.add_argument("--device", default="auto", help="auto (GPU if there is one), cpu, cuda, cuda:N or mps")
@@ -96,14 +93,12 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         raise UserError("--top-k and --batch-size must be at least 1")
-    model_name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
     paths = find_images(args.image)
     device = select_device(args.device)
     configure_cpu_threads(device)
 
-    model = create_model(model_name, len(classes))
-    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
-    model.to(device).eval()
+    model, _, img_size, classes = load_trained_model(args)
+    model.to(device)
 
     _, transform = build_transforms(img_size)  # the validation transform: resize + center crop
     dataset = ImageFiles(paths, transform, keep_side=resize_size(img_size))
