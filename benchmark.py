@@ -13,13 +13,16 @@ Prints a table and writes it as JSON (--json). What each row means:
   scaling    an epoch of train_multi_gpu.py under torchrun with 1, 2, 4, ... processes (the
              second of two, so that every process is warm)
   baseline   the tutorial's way: fp32, NCHW, PIL -> float transforms, .item() every step
-The first steps of every timed run (start-up, kernel selection) are left out.
+The first steps of every timed run (start-up, kernel selection) are left out. results.timed
+records, per row, what was timed: images and steps after the warm-up and, for rows that run
+the model here, the dtype and memory format of the first convolution's output.
 """
 import argparse
 import csv
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -83,16 +86,50 @@ class InMemoryBatches:
         return self.steps
 
 
+class TimedRun:
+    """Batches for one timed row, and a record of what it timed: the images and steps after the
+    warm-up (counted as the batches are handed out) and, given the model, the dtype and memory
+    format of its first Conv2d's output at the first timed step (a forward hook that then
+    removes itself; not on a compiled model, whose graph a hook would change)."""
+
+    def __init__(self, batches, model=None):
+        self.batches, self.images, self.steps = batches, 0, 0
+        self.batch_sampler = getattr(batches, "batch_sampler", None)  # train_one_epoch reads its batch_size
+        self.conv, self.calls = {}, 0
+        if model is not None and not hasattr(model, "_orig_mod"):
+            conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+            self.hook = conv.register_forward_hook(self.see_conv) if conv is not None else None
+
+    def see_conv(self, module, inputs, output):
+        self.calls += 1
+        if self.calls > WARMUP_STEPS:  # the first timed step
+            channels_last = output.is_contiguous(memory_format=torch.channels_last)
+            self.conv = {"conv_dtype": str(output.dtype).removeprefix("torch."),
+                         "memory_format": "channels_last" if channels_last else "contiguous"}
+            self.hook.remove()
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for step, batch in enumerate(self.batches):
+            if step >= WARMUP_STEPS:
+                self.images, self.steps = self.images + len(batch[1]), self.steps + 1
+            yield batch
+
+    def record(self):
+        return {"images": self.images, "steps": self.steps, **self.conv}
+
+
 def measure_data(loader, sampler, epoch):
-    """Images/s of the loader alone, over one epoch, the first batches left out."""
+    """Images/s of the loader alone, over one epoch, the first batches left out; and what it timed."""
     sampler.set_epoch(epoch)
-    images, start = 0, time.perf_counter()
-    for step, (batch, _) in enumerate(loader):
+    batches = TimedRun(loader)
+    start = time.perf_counter()
+    for step, _ in enumerate(batches):
         if step + 1 == WARMUP_STEPS:
-            images, start = 0, time.perf_counter()
-        else:
-            images += len(batch)
-    return images / (time.perf_counter() - start)
+            start = time.perf_counter()
+    return batches.images / (time.perf_counter() - start), batches.record()
 
 
 def new_optimizer(model):
@@ -100,11 +137,11 @@ def new_optimizer(model):
 
 
 def measure_step(model, images, labels, device, settings, steps):
-    """Images/s of train_one_epoch on one in-memory batch: the compute ceiling of the loop."""
-    optimizer = new_optimizer(model)
-    stats = train_one_epoch(model, optimizer, InMemoryBatches(images, labels, WARMUP_STEPS + steps), device, 0,
-                            settings=settings)
-    return stats.images_per_second
+    """Images/s of train_one_epoch on one in-memory batch: the compute ceiling of the loop; and
+    what it timed."""
+    batches = TimedRun(InMemoryBatches(images, labels, WARMUP_STEPS + steps), model)
+    stats = train_one_epoch(model, new_optimizer(model), batches, device, 0, settings=settings)
+    return stats.images_per_second, batches.record()
 
 
 # --- The tutorial's way -------------------------------------------------------------------------
@@ -128,12 +165,14 @@ def tutorial_loader(split, img_size, batch_size):
 
 
 def tutorial_epoch(model, optimizer, data_loader, device):
-    """The tutorial's train_one_epoch: fp32, the running mean loss read with .item() every step."""
+    """The tutorial's train_one_epoch: fp32, the running mean loss read with .item() every step.
+    Returns images/s and what it timed."""
     model.train()
     loss_function = nn.CrossEntropyLoss()
     mean_loss = torch.zeros(1).to(device)
     images, start = 0, time.perf_counter()
-    data_loader = tqdm(data_loader, file=sys.stdout, leave=False)
+    timed = TimedRun(data_loader, model)
+    data_loader = tqdm(timed, file=sys.stdout, leave=False)
     for step, (batch, labels) in enumerate(data_loader):
         pred = model(batch.to(device))
         loss = loss_function(pred, labels.to(device))
@@ -148,7 +187,7 @@ def tutorial_epoch(model, optimizer, data_loader, device):
             images, start = 0, time.perf_counter()
         else:
             images += len(labels)
-    return images / (time.perf_counter() - start)
+    return images / (time.perf_counter() - start), timed.record()
 
 
 def measure_tutorial_step(model, images, labels, device, steps):
@@ -163,7 +202,7 @@ def measure_tutorial_step(model, images, labels, device, steps):
 
 def measure_scaling(args, data_path, processes, device):
     """Images/s of train_multi_gpu.py under torchrun with ``processes`` processes: the second of
-    two epochs, when every process is warm (kernels chosen, workers started)."""
+    two epochs, when every process is warm (kernels chosen, workers started); and what it timed."""
     with tempfile.TemporaryDirectory(prefix="benchmark-") as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                os.path.join(REPO, "train_multi_gpu.py"), "--data-path", data_path, "--val-rate", "0.1",
@@ -179,7 +218,19 @@ def measure_scaling(args, data_path, processes, device):
             raise UserError(f"scaling run with {processes} processes failed:\n{result.stdout[-2000:]}"
                             f"{result.stderr[-2000:]}")
         with open(os.path.join(out, "metrics.csv")) as f:
-            return float(list(csv.DictReader(f))[-1]["images_per_second"])
+            rate = float(list(csv.DictReader(f))[-1]["images_per_second"])
+    return rate, scaling_timed(result.stdout, args.batch_size * processes)
+
+
+def scaling_timed(stdout, images_per_step):
+    """Images and steps (each process's) a scaling run timed, read from the last progress bar of
+    its second epoch (``[train epoch 1]: 100%|...| 80/80``: images of all processes), the
+    warm-up left out; None where the bar is not found."""
+    bars = re.findall(r"\[train epoch 1\][^|]*\|[^|]*\| *(\d+)/\d+", stdout)
+    if not bars:
+        return {"images": None, "steps": None}
+    steps = int(bars[-1]) // images_per_step - WARMUP_STEPS
+    return {"images": steps * images_per_step, "steps": steps}
 
 
 # --- The report ---------------------------------------------------------------------------------
@@ -262,7 +313,8 @@ def main(argv=None):
                         f"{args.batch_size}; need more than {WARMUP_STEPS}: raise --num-images")
     workers = args.workers if args.workers is not None else default_workers()
     loader = make_loader(train_set, batches, workers, device)
-    results = {"data": measure_data(loader, sampler, epoch=0)}
+    results, timed = {}, {}  # timed: what each row timed, by the table's row names
+    results["data"], timed["data"] = measure_data(loader, sampler, epoch=0)
     print(f"data: {results['data']:.1f} images/s", flush=True)
 
     num_classes = len(split.classes)
@@ -272,12 +324,13 @@ def main(argv=None):
     model = optimize_model(model, args, device, verbose=False)
     settings = LoopSettings(precision, args.channels_last)  # as train_single.py runs it
     images, labels = next(iter(loader))
-    results["step"] = measure_step(model, images, labels, device, settings, args.steps)
+    results["step"], timed["step"] = measure_step(model, images, labels, device, settings, args.steps)
     print(f"step: {results['step']:.1f} images/s", flush=True)
 
     sampler.set_epoch(1)
-    stats = train_one_epoch(model, new_optimizer(model), loader, device, 1, settings=settings)
-    results["loop"] = stats.images_per_second
+    epoch = TimedRun(loader, model)
+    stats = train_one_epoch(model, new_optimizer(model), epoch, device, 1, settings=settings)
+    results["loop"], timed["loop"] = stats.images_per_second, epoch.record()
     results["efficiency"] = results["loop"] / results["step"]
     print(f"loop: {results['loop']:.1f} images/s", flush=True)
     del loader  # its workers
@@ -285,9 +338,10 @@ def main(argv=None):
     if args.baseline:
         torch.manual_seed(0)
         model = create_model(args.model, num_classes).to(device)
-        step = measure_tutorial_step(model, images, labels, device, max(2, args.steps // 2))
-        loop = tutorial_epoch(model, new_optimizer(model), tutorial_loader(split, args.img_size, args.batch_size),
-                              device)
+        steps = max(2, args.steps // 2)
+        step, timed["baseline step"] = measure_tutorial_step(model, images, labels, device, steps)
+        loop, timed["baseline loop"] = tutorial_epoch(model, new_optimizer(model),
+                                                      tutorial_loader(split, args.img_size, args.batch_size), device)
         results["baseline"] = {"step": step, "loop": loop}
         results["speedup_vs_baseline"] = results["loop"] / loop
         print(f"baseline: step {step:.1f}, loop {loop:.1f} images/s", flush=True)
@@ -300,7 +354,7 @@ def main(argv=None):
                 print(f"scaling x{processes}: skipped, {len(batches) // processes} batches a process are too few "
                       "to time; raise --num-images", flush=True)
                 continue
-            rate = measure_scaling(args, data_path, processes, device)
+            rate, timed[f"scaling x{processes}"] = measure_scaling(args, data_path, processes, device)
             first = results["scaling"][0]["images_per_second"] if results["scaling"] else rate
             # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
             ideal = first * (processes if device.type == "cuda" else 1)
@@ -310,6 +364,7 @@ def main(argv=None):
                 "gpus": processes if device.type == "cuda" else 0})
             print(f"scaling x{processes}: {rate:.1f} images/s", flush=True)
 
+    results["timed"] = timed
     report = {
         "machine": machine_description(device),
         "settings": {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size,

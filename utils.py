@@ -248,9 +248,12 @@ MAX_LABELLED_CLASSES = 50  # beyond this, class names are left off the axes
 
 
 def _figure(width, height):
+    """A Figure laid out by matplotlib's constrained layout: the margins grow to fit the tick
+    labels (long class names included), so no label overlaps the plot or is cut off the
+    picture, also in TensorBoard, which draws the whole figure without trimming it."""
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(min(width, MAX_INCHES), min(height, MAX_INCHES)))
+    return Figure(figsize=(min(width, MAX_INCHES), min(height, MAX_INCHES)), layout="constrained")
 
 
 def save_figure(fig, path, writer=None, tag=None, step=0):
@@ -267,9 +270,17 @@ def save_figure(fig, path, writer=None, tag=None, step=0):
     return path
 
 
-def _class_ticks(set_ticks, classes, rotate):
-    if len(classes) <= MAX_LABELLED_CLASSES:
-        set_ticks(range(len(classes)), classes, rotation=45 if rotate else 0, ha="right" if rotate else "center")
+def _class_ticks(axis, classes, rotate=False):
+    """Class names as the tick labels of ``axis`` (ax.xaxis or ax.yaxis), unless there are too many.
+    On the x axis, rotated names end at their tick; on the y axis names end left of the plot."""
+    if len(classes) > MAX_LABELLED_CLASSES:
+        return
+    axis.set_ticks(range(len(classes)))
+    if axis.axis_name == "y":
+        axis.set_ticklabels(classes)  # right-aligned at the tick, left of the axes (matplotlib's default)
+    else:
+        axis.set_ticklabels(classes, rotation=45 if rotate else 0, ha="right" if rotate else "center",
+                            rotation_mode="anchor" if rotate else "default")
 
 
 def plot_class_distribution(split):
@@ -283,7 +294,7 @@ def plot_class_distribution(split):
         bars = ax.bar([i + offset for i in x], counts, width=0.4, label=f"{name} ({sum(counts)})")
         if len(split.classes) <= MAX_LABELLED_CLASSES:
             ax.bar_label(bars, fontsize=8)
-    _class_ticks(ax.set_xticks, split.classes, rotate=len(split.classes) > 6)
+    _class_ticks(ax.xaxis, split.classes, rotate=len(split.classes) > 6 or max(map(len, split.classes)) > 10)
     ax.set_ylabel("images")
     ax.set_title("images per class")
     ax.legend()
@@ -329,8 +340,8 @@ def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
     fig = _figure(size, size)
     ax = fig.subplots()
     ax.imshow(confusion.numpy(), cmap="Blues")
-    _class_ticks(ax.set_xticks, classes, rotate=True)
-    _class_ticks(ax.set_yticks, classes, rotate=False)
+    _class_ticks(ax.xaxis, classes, rotate=True)
+    _class_ticks(ax.yaxis, classes)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     peak = int(confusion.max()) if confusion.numel() else 0

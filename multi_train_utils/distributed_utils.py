@@ -267,6 +267,20 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def broadcast_buffers(module, src=0):
+    """Give every rank rank ``src``'s buffers (BatchNorm's running statistics).
+
+    DDP keeps parameters equal on every rank, but each rank's last training forward updates
+    its BatchNorm statistics from its own batch; evaluation and the saved weights must use
+    one set: rank 0's, which it saves.
+    """
+    if get_world_size() < 2:
+        return
+    with torch.no_grad():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src)
+
+
 def reduce_value(value, average=True):
     """Sum (or average) a tensor over all ranks and return the result on every rank."""
     world_size = get_world_size()

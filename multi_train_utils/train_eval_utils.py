@@ -13,7 +13,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from model import set_train_mode
-from multi_train_utils.distributed_utils import all_reduce_sum, get_world_size, is_main_process, reduce_value
+from multi_train_utils.distributed_utils import (all_reduce_sum, broadcast_buffers, get_world_size, is_main_process,
+                                                 reduce_value)
 from multi_train_utils.errors import UserError
 from multi_train_utils.performance import Precision
 from utils import IMAGENET_MEAN, IMAGENET_STD, print_data_summary, save_confusion_matrix
@@ -215,13 +216,15 @@ class LossDisplay:
 def evaluate(model, data_loader, device, num_classes, settings=None):
     """Exact validation: each rank predicts its own shard, then counts are summed over ranks.
 
-    Runs the module inside DDP, not the wrapper: ranks may have different numbers of
-    batches, and DDP's forward may broadcast buffers, a collective the shorter rank would
-    never join.
+    Every rank first takes rank 0's BatchNorm statistics, so the figure is that of the
+    weights rank 0 saves. Runs the module inside DDP, not the wrapper: ranks may have
+    different numbers of batches, and DDP's forward may broadcast buffers, a collective the
+    shorter rank would never join.
     """
     settings = settings or LoopSettings()
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
+    broadcast_buffers(model)
     model.eval()
     to_device = DeviceNormalizer(device, settings.channels_last)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)

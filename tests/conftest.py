@@ -21,6 +21,7 @@ from utils import DEMO_CLASSES, _draw_flower  # noqa: E402
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")  # a script's main() with probes patched in
 # Small and fast: a small ResNet on 32 px images, no pictures (single_run draws them); every
 # run also gets its own --log-dir.
 FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4", "--no-plots"]
@@ -96,6 +97,25 @@ def script(name):
     return os.path.join(REPO, name)
 
 
+def probe_records(prefix, world_size):
+    """The JSON records that tests/helpers/probe.py wrote, one per rank."""
+    import json
+
+    records = []
+    for rank in range(world_size):
+        with open(f"{prefix}.rank{rank}.json") as f:
+            records.append(json.load(f))
+    return records
+
+
+def cpuinfo_lists_bf16():
+    """Whether /proc/cpuinfo lists bf16 instructions (AVX512-BF16 or AMX-BF16): read here,
+    independently of the product's own check."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.csv")) as f:
         return list(csv.DictReader(f))
@@ -162,26 +182,43 @@ def train_args(tiny_data, output_dir, *extra):
 
 @pytest.fixture(scope="session")
 def single_run(tiny_data, tmp_path_factory):
-    """python train_single.py, 2 epochs, one loader worker."""
+    """python train_single.py (through the probe), 2 epochs, one loader worker."""
     out = tmp_path_factory.mktemp("single") / "out"
-    result = run([PYTHON, script("train_single.py"),
-                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "1", "--plots")])
+    result = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, "--epochs", "2", "--workers", "1", "--plots")],
+                 env={"PROBE_OUT": f"{out}.probe"})
     assert result.returncode == 0, result.stdout + result.stderr
-    return {"out": str(out), "result": result}
+    return {"out": str(out), "result": result, "probe": probe_records(f"{out}.probe", 1)[0]}
 
 
 @pytest.fixture(scope="session")
 def ddp_run(tiny_data, tmp_path_factory):
-    """torchrun --nproc_per_node=2 train_multi_gpu.py, 2 epochs."""
+    """torchrun --nproc_per_node=2 train_multi_gpu.py (through the probe), 2 epochs. Rank 1
+    resets its BatchNorm statistics after training each epoch: evaluation must not use them."""
     out = tmp_path_factory.mktemp("ddp") / "out"
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
-                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0")])
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0")],
+                 env={"PROBE_OUT": f"{out}.probe", "PROBE_SKEW_BN": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
-    return {"out": str(out), "result": result}
+    return {"out": str(out), "result": result, "probe": probe_records(f"{out}.probe", 2)}
 
 
-def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_classes=5):
-    """The files a finished run leaves: weights per epoch that load strictly, metadata, metrics."""
+def assert_exact_accuracy(stdout, output_dir, epochs, val_images=7):
+    """Every epoch line prints ``(correct/total)`` with total = the validation size (no image
+    padded in or left out), and metrics.csv's val_accuracy is exactly correct/total."""
+    import re
+
+    counts = [(int(e), int(c), int(n)) for e, c, n in
+              re.findall(r"^\[epoch (\d+)\] .*val_accuracy: [\d.]+ \((\d+)/(\d+)\)", stdout, flags=re.M)]
+    assert [e for e, _, _ in counts] == list(range(epochs)), stdout
+    assert all(n == val_images for _, _, n in counts), counts
+    rows = read_metrics(output_dir)
+    assert [r["val_accuracy"] for r in rows] == [f"{c / n:.6f}" for _, c, n in counts], (rows, counts)
+    return [c for _, c, _ in counts]
+
+
+def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_classes=5, stdout=None):
+    """The files a finished run leaves: weights per epoch that load strictly, metadata, metrics;
+    with ``stdout``, the exact accuracy counts it printed."""
     import json
 
     import torch
@@ -217,4 +254,6 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         last_step, total = (epoch + 1) * steps - 1, epochs * steps
         factor = 0.1 + 0.9 * (1 + math.cos(math.pi * last_step / total)) / 2
         assert float(r["lr"]) == pytest.approx(lr * factor, rel=1e-5), (epoch, r["lr"])
+    if stdout is not None:
+        assert_exact_accuracy(stdout, output_dir, epochs)
     return rows

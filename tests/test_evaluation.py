@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from conftest import PYTHON, TORCHRUN, free_port, read_metrics, run, script, top1_line
+from conftest import PYTHON, TORCHRUN, assert_exact_accuracy, free_port, read_metrics, run, script, top1_line
 
 
 def snapshot(folder):
@@ -48,10 +48,28 @@ def test_same_exact_accuracy_at_world_size_1_2_3_4(single_run):
     assert snapshot(out) == before and os.listdir(out + "-tb") == tb_before
 
 
-def test_ddp_run_weights_reproduce_its_metrics(ddp_run):
-    weights = os.path.join(ddp_run["out"], "model-1.pth")
-    correct = round(float(read_metrics(ddp_run["out"])[-1]["val_accuracy"]) * 7)
-    assert top1_line(eval_only(weights, 2)) == f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
+def buffer_checksum(weights):
+    """Sum of |x| over the floating-point buffers (BatchNorm statistics) of a saved model."""
+    from model import create_model
+
+    model = create_model("resnet18", 5)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    return float(sum(b.double().abs().sum() for b in model.buffers() if b.is_floating_point()))
+
+
+def test_ddp_run_reports_the_accuracy_of_the_weights_it_saves(ddp_run):
+    """Each DDP rank updates its BatchNorm statistics from its own last batch, and in this run
+    rank 1 even resets them after training (PROBE_SKEW_BN). Every rank must evaluate with
+    rank 0's, which model-N.pth holds: the accuracy the run reports is then exactly what
+    --eval-only of model-N.pth gives in one process."""
+    out = ddp_run["out"]
+    counts = assert_exact_accuracy(ddp_run["result"].stdout, out, epochs=2)
+    for epoch, correct in enumerate(counts):
+        weights = os.path.join(out, f"model-{epoch}.pth")
+        saved = buffer_checksum(weights)
+        assert [r["eval_buffers"][epoch] for r in ddp_run["probe"]] == [saved, saved]
+        assert top1_line(eval_only(weights, 1, "train_single.py")) == \
+            f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
 
 
 def test_eval_only_refuses_a_mismatched_head(tiny_data, tmp_path):

@@ -13,7 +13,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import CORES, PYTHON, REPO, run
+from conftest import CORES, PYTHON, REPO, cpuinfo_lists_bf16, run
 from model import create_model, plain_state_dict
 from multi_train_utils import performance
 from multi_train_utils.errors import RankError, UserError
@@ -53,9 +53,7 @@ def test_precision_requests_that_cannot_work_are_errors(monkeypatch):
 
 
 def test_this_cpus_bf16_flag_matches_proc_cpuinfo():
-    with open("/proc/cpuinfo") as f:  # x86 lists "flags", ARM "Features"
-        flags = set(next((line for line in f if line.startswith(("flags", "Features"))), "").split())
-    assert performance.cpu_runs_bf16_natively() == bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert performance.cpu_runs_bf16_natively() == cpuinfo_lists_bf16()
 
 
 # --- Decoding and normalisation ---------------------------------------------------------------
@@ -280,7 +278,14 @@ def test_compiled_model_with_grad_checkpoint_trains_like_the_plain_one_and_saves
 
 # --- benchmark.py ------------------------------------------------------------------------------
 
+PER_CLASS, VAL_RATE = 20, 0.1  # make_benchmark_data; benchmark.py splits at --val-rate 0.1
+WARMUP = 2  # train_eval_utils.WARMUP_STEPS: the first steps of every timed run are left out
+
+
 def test_benchmark_quick_writes_every_row(tmp_path):
+    """benchmark.py --quick: every row records what it timed, and that is what the settings say:
+    the images and steps after the warm-up, and at the first convolution --amp's dtype with
+    channels_last for our rows, fp32 NCHW for the tutorial's way."""
     out = tmp_path / "bench.json"
     data = tmp_path / "data"
     result = run([PYTHON, os.path.join(REPO, "benchmark.py"), "--quick", "--json", str(out),
@@ -292,16 +297,33 @@ def test_benchmark_quick_writes_every_row(tmp_path):
         assert results[key] > 0, key
     assert results["efficiency"] == pytest.approx(results["loop"] / results["step"])
     assert results["speedup_vs_baseline"] == pytest.approx(results["loop"] / results["baseline"]["loop"])
-    assert [row["processes"] for row in results["scaling"]] == list(range(1, min(2, CORES) + 1))
+    processes = list(range(1, min(2, CORES) + 1))
+    assert [row["processes"] for row in results["scaling"]] == processes
     assert all(row["images_per_second"] > 0 for row in results["scaling"])
-    assert report["settings"]["model"] == "resnet18" and report["settings"]["images"] == 90
     assert "loop / baseline" in result.stdout
+
+    # --quick: batch 8, --steps 3 (the baseline's step row: max(2, 3 // 2)); 90 training images
+    batch, train_images = 8, len(DEMO_CLASSES) * (PER_CLASS - round(PER_CLASS * VAL_RATE))
+    assert report["settings"]["model"] == "resnet18" and report["settings"]["images"] == train_images == 90
+    assert report["settings"]["warmup_steps_left_out"] == WARMUP
+
+    def timed(steps, processes=1):  # steps of each process; images of all
+        return {"images": steps * batch * processes, "steps": steps}
+
+    epoch = train_images // batch - WARMUP  # whole batches only: 11, the first 2 left out
+    ours = {"conv_dtype": "bfloat16" if cpuinfo_lists_bf16() else "float32", "memory_format": "channels_last"}
+    tutorial = {"conv_dtype": "float32", "memory_format": "contiguous"}
+    expected = {"data": timed(epoch), "step": {**timed(3), **ours}, "loop": {**timed(epoch), **ours},
+                "baseline step": {**timed(2), **tutorial}, "baseline loop": {**timed(epoch), **tutorial}}
+    for k in processes:  # each process: its share of the images (DistributedSampler pads), whole batches
+        expected[f"scaling x{k}"] = timed(-(-train_images // k) // batch - WARMUP, k)
+    assert results["timed"] == expected
 
 
 def make_benchmark_data(root):
     rng = random.Random(0)
     for name, (petal, centre, petals) in DEMO_CLASSES.items():
         os.makedirs(root / name)
-        for i in range(20):  # 18 training images a class at --val-rate 0.1: 11 batches of 8
+        for i in range(PER_CLASS):  # 18 training images a class at --val-rate 0.1: 11 batches of 8
             _draw_flower(rng, petal, centre, petals, (80, 64)).save(root / name / f"{i}.jpg")
     return root

@@ -47,6 +47,43 @@ def test_every_image_mode_becomes_rgb(tiny_data):
     assert not torch.equal(dataset[(2, odd[0])][0], dataset[(3, odd[0])][0])
 
 
+def epoch_images(train_set, seed, epochs, workers):
+    """{(epoch, index): image} through the scripts' real sampler and loader chain."""
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    from my_dataset import EpochIndexSampler
+    from utils import make_loader
+
+    sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)
+    loader = make_loader(train_set, BatchSampler(EpochIndexSampler(sampler), 4, drop_last=True), workers,
+                         torch.device("cpu"))
+    seen = {}
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        order = [index for batch in loader.batch_sampler for _, index in batch]
+        images = torch.cat([batch for batch, _ in loader])
+        seen.update({(epoch, index): image for index, image in zip(order, images, strict=True)})
+    return seen
+
+
+def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
+    """Image i gets another random crop in epoch 1 than in epoch 0 (persistent loader workers
+    included), and the same crops again in a rerun with the same seed and other workers."""
+    from argparse import Namespace
+
+    from utils import build_datasets, read_split_data
+
+    split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
+    train_set, _ = build_datasets(split, Namespace(img_size=24, seed=0))
+    first = epoch_images(train_set, seed=0, epochs=(0, 1), workers=1)
+    indices = sorted({index for _, index in first})
+    assert len(indices) == 36
+    changed = [i for i in indices if not torch.equal(first[0, i], first[1, i])]
+    assert changed == indices
+    rerun = epoch_images(train_set, seed=0, epochs=(1,), workers=0)
+    assert all(torch.equal(rerun[1, i], first[1, i]) for i in indices)
+
+
 def test_shard_sampler_covers_each_index_once():
     from my_dataset import ShardSampler
 

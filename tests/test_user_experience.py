@@ -11,9 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import CLASSES, PYTHON, read_metrics, run, script, write_class_folder
+from conftest import CLASSES, PYTHON, REPO, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
-from utils import download_flower_photos
+from utils import DataSplit, confusion_matrix_csv, download_flower_photos, plot_class_distribution, \
+    plot_confusion_matrix, save_figure
 
 PNGS = ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png")
 
@@ -140,6 +141,80 @@ def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
     assert missing.returncode == 2 and "metrics.csv: cannot be read" in missing.stderr
 
 
+# --- What the pictures show (in-process, no training run) ----------------------------------------
+
+FIVE_CLASSES = ["daisy", "dandelion_meadow_wild", "roses", "sunflowers_giant_russian", "tulips"]
+TWELVE_CLASSES = [f"species_{i:02d}" + "_var" * (i % 4) for i in range(12)]
+
+
+def drawn(fig):
+    """Render ``fig`` with the Agg canvas (as savefig and TensorBoard do); return its renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def assert_tick_labels_readable(fig, ax, renderer, classes, y_names):
+    """The tick labels are the class names in order; y labels end left of the axes, x labels
+    below them; none is cut off the figure; unrotated x labels do not overlap each other."""
+    figure_box, axes_box = fig.bbox, ax.get_window_extent(renderer)
+    for axis in (ax.yaxis,) if y_names else ():
+        assert [t.get_text() for t in axis.get_ticklabels()] == classes
+        for label in axis.get_ticklabels():
+            box = label.get_window_extent(renderer)
+            assert box.x1 <= axes_box.x0, f"y label {label.get_text()!r} ends at x={box.x1:.1f}, " \
+                                          f"inside the axes starting at x={axes_box.x0:.1f}"
+            assert box.x0 >= 0 and box.y0 >= 0 and box.y1 <= figure_box.y1, \
+                f"y label {label.get_text()!r} is cut off the figure: {box}"
+    labels = ax.xaxis.get_ticklabels()
+    assert [t.get_text() for t in labels] == classes
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    for label, box in zip(labels, boxes):
+        assert box.y1 <= axes_box.y0, f"x label {label.get_text()!r} reaches into the axes: {box}"
+        assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure_box.x1, \
+            f"x label {label.get_text()!r} is cut off the figure: {box}"
+    if not labels[0].get_rotation():
+        for (left, a), (right, b) in zip(zip(classes, boxes), zip(classes[1:], boxes[1:])):
+            assert a.x1 <= b.x0, f"x labels {left!r} and {right!r} overlap"
+
+
+@pytest.mark.parametrize("classes", [FIVE_CLASSES, TWELVE_CLASSES], ids=["5-classes", "12-classes"])
+def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path):
+    n = len(classes)
+    generator = torch.Generator().manual_seed(n)
+    confusion = torch.randint(0, 30, (n, n), generator=generator) + 40 * torch.eye(n, dtype=torch.int64)
+    confusion[0, 1], confusion[1, 0] = 7, 0  # not symmetric: a transposed matrix would show
+    fig = plot_confusion_matrix(confusion, classes)
+    renderer = drawn(fig)
+    (ax,) = fig.axes[:1]
+    assert_tick_labels_readable(fig, ax, renderer, classes, y_names=True)
+
+    drawn_counts = [[None] * n for _ in range(n)]
+    for text in ax.texts:
+        column, row = text.get_position()
+        drawn_counts[round(row)][round(column)] = int(text.get_text())
+    assert drawn_counts == confusion.tolist()
+    rows = list(csv.reader(confusion_matrix_csv(confusion, classes).splitlines()))
+    assert rows[0] == ["true/predicted", *classes] and [r[0] for r in rows[1:]] == classes
+    assert [[int(v) for v in r[1:]] for r in rows[1:]] == drawn_counts  # the picture and its CSV agree
+    assert ax.get_title().endswith(f"(accuracy {int(confusion.diag().sum()) / int(confusion.sum()):.4f})")
+
+    path = save_figure(fig, str(tmp_path / "confusion_matrix.png"))
+    with Image.open(path) as img:
+        assert img.format == "PNG" and min(img.size) >= 300
+
+
+def test_class_distribution_picture_labels_are_readable():
+    for classes in (CLASSES, FIVE_CLASSES, TWELVE_CLASSES):  # the flower names stay unrotated
+        labels = [i % len(classes) for i in range(3 * len(classes))]
+        split = DataSplit([], labels, [], labels[: len(classes)], list(classes), [])
+        fig = plot_class_distribution(split)
+        renderer = drawn(fig)
+        assert_tick_labels_readable(fig, fig.axes[0], renderer, classes, y_names=False)
+
+
 # --- predict.py -----------------------------------------------------------------------------------
 
 def test_predict_a_file_and_a_folder_with_a_corrupt_image(single_run, tiny_data, tmp_path):
@@ -233,11 +308,18 @@ def test_export_onnx(single_run, tmp_path):
 
 
 def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
-    import importlib.util
-
-    if importlib.util.find_spec("onnx") and importlib.util.find_spec("onnxruntime"):
-        pytest.skip("onnx is installed here; test_export_onnx covers it")
-    result = run([PYTHON, script("export.py"), "--weights", os.path.join(single_run["out"], "model-best.pth"),
-                  "--format", "onnx", "--output", str(tmp_path / "m.onnx")])
-    assert result.returncode == 2 and "pip install onnx onnxruntime" in result.stderr
-    assert not (tmp_path / "m.onnx").exists()
+    """Whether or not onnx is installed here: a folder first on the child's PYTHONPATH holds an
+    onnx.py (or onnxruntime.py) that fails to import, as a missing package does."""
+    for missing in ("onnx", "onnxruntime"):
+        blocked = tmp_path / f"without-{missing}"
+        blocked.mkdir()
+        (blocked / f"{missing}.py").write_text(f"raise ImportError('{missing} is blocked by the test')\n")
+        output = tmp_path / "m.onnx"
+        result = run([PYTHON, script("export.py"), "--weights", os.path.join(single_run["out"], "model-best.pth"),
+                      "--format", "onnx", "--output", str(output)],
+                     env={"PYTHONPATH": os.pathsep.join([str(blocked), REPO])})
+        assert result.returncode == 2, (missing, result.stdout + result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("error: --format onnx needs") and "pip install onnx onnxruntime" in line, line
+        assert {p.name for p in tmp_path.iterdir()} <= {"without-onnx", "without-onnxruntime"}  # no file left

@@ -4,13 +4,19 @@
 
 Environment:
   PROBE_OUT       prefix of the JSON file each rank writes (PREFIX.rank{R}.json): the
-                  parameter checksum before and after the DDP wrap, and the sample indices
-                  this rank trains on in each epoch
+                  parameter checksum before and after the DDP wrap, the sample indices
+                  this rank trains on in each epoch, the dtype and memory format of the
+                  first convolution's output in training, the checksum of the buffers
+                  (BatchNorm statistics) each evaluation used, and the training steps run
   PROBE_PERTURB   "1": add noise to the weights of ranks other than 0 before the DDP wrap,
                   so that identical weights afterwards prove DDP's broadcast
   PROBE_BN_EVAL   "1": keep every BatchNorm in eval mode while training (batch-size
                   independent model, for the equivalence test)
-  PROBE_NAN_RANK  R: the loss of rank R becomes NaN
+  PROBE_FLOAT64   "1": model and inputs in float64 (the equivalence tests' exact mode)
+  PROBE_SKEW_BN   "1": ranks other than 0 reset their BatchNorm statistics after each
+                  training epoch (what evaluation must not see)
+  PROBE_NAN_RANK  R: the loss value of rank R becomes NaN at its step PROBE_NAN_STEP
+                  (default 0); its gradients stay finite, so nothing reaches other ranks
   PROBE_RAISE_RANK R: rank R raises an exception at its first training step
   PROBE_HANG_RANK R: rank R stops responding at its first training step
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
@@ -32,13 +38,34 @@ from torch import nn  # noqa: E402
 import multi_train_utils.train_eval_utils as train_eval_utils  # noqa: E402
 from multi_train_utils.errors import run_cli  # noqa: E402
 
+if os.environ.get("PROBE_FLOAT64") == "1":
+    torch.set_default_dtype(torch.float64)  # torchvision's models and the normaliser's constants
+
 target = importlib.import_module({"single": "train_single", "multi": "train_multi_gpu"}[sys.argv[1]])
 rank = int(os.environ.get("RANK", "0"))
-record = {"rank": rank, "orders": {}}
+record = {"rank": rank, "orders": {}, "eval_buffers": [], "steps": 0}
 
 
 def checksum(model):
     return float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+
+
+def buffer_checksum(model):
+    return float(sum(b.detach().double().abs().sum() for b in model.buffers() if b.is_floating_point()))
+
+
+def record_first_conv_output(model):
+    """The dtype and memory format of the first convolution's output in the first training step."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    if conv is None:
+        return
+
+    def hook(module, inputs, output):
+        if module.training and "conv_dtype" not in record:
+            record["conv_dtype"] = str(output.dtype).removeprefix("torch.")
+            record["conv_channels_last"] = output.is_contiguous(memory_format=torch.channels_last)
+
+    conv.register_forward_hook(hook)
 
 
 real_build_model = target.build_model
@@ -51,6 +78,7 @@ def build_model(*args, **kwargs):
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
     record["before_wrap"] = checksum(model)
+    record_first_conv_output(model)
     return model
 
 
@@ -65,11 +93,26 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwarg
     if epoch == 0:
         record["after_wrap"] = checksum(model)
     record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
-    return real_train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs)
+    stats = real_train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs)
+    if os.environ.get("PROBE_SKEW_BN") == "1" and rank != 0:
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.reset_running_stats()
+    return stats
+
+
+real_evaluate = target.evaluate
+
+
+def evaluate(model, *args, **kwargs):
+    result = real_evaluate(model, *args, **kwargs)
+    record["eval_buffers"].append(buffer_checksum(model))  # evaluation leaves the buffers as it used them
+    return result
 
 
 target.build_model = build_model
 target.train_one_epoch = train_one_epoch
+target.evaluate = evaluate
 
 if os.environ.get("PROBE_BN_EVAL") == "1":
     real_set_train_mode = train_eval_utils.set_train_mode
@@ -108,9 +151,20 @@ if float(os.environ.get("PROBE_STEP_SLEEP", "0")) > 0:
 
     nn.CrossEntropyLoss.forward = slow_forward
 
-if os.environ.get("PROBE_NAN_RANK") == str(rank):
-    real_forward = nn.CrossEntropyLoss.forward
-    nn.CrossEntropyLoss.forward = lambda self, x, y: real_forward(self, x, y) * float("nan")
+real_loss_forward = nn.CrossEntropyLoss.forward
+nan_step = int(os.environ.get("PROBE_NAN_STEP", "0")) if os.environ.get("PROBE_NAN_RANK") == str(rank) else None
+
+
+def counted_loss_forward(self, x, y):
+    """Counts training steps; on PROBE_NAN_RANK, a NaN loss value whose gradients are finite."""
+    loss = real_loss_forward(self, x, y)
+    step, record["steps"] = record["steps"], record["steps"] + 1
+    if step == nan_step:
+        loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d(loss)/d(x) is unchanged
+    return loss
+
+
+nn.CrossEntropyLoss.forward = counted_loss_forward
 
 try:
     run_cli(target.main, sys.argv[2:])
