@@ -170,8 +170,8 @@ def tutorial_epoch(model, optimizer, data_loader, device):
     model.train()
     loss_function = nn.CrossEntropyLoss()
     mean_loss = torch.zeros(1).to(device)
-    images, start = 0, time.perf_counter()
-    timed = TimedRun(data_loader, model)
+    start = time.perf_counter()
+    timed = TimedRun(data_loader, model)  # counts the images after the warm-up
     data_loader = tqdm(timed, file=sys.stdout, leave=False)
     for step, (batch, labels) in enumerate(data_loader):
         pred = model(batch.to(device))
@@ -184,10 +184,8 @@ def tutorial_epoch(model, optimizer, data_loader, device):
         optimizer.step()
         optimizer.zero_grad()
         if step + 1 == WARMUP_STEPS:
-            images, start = 0, time.perf_counter()
-        else:
-            images += len(labels)
-    return images / (time.perf_counter() - start), timed.record()
+            start = time.perf_counter()
+    return timed.images / (time.perf_counter() - start), timed.record()
 
 
 def measure_tutorial_step(model, images, labels, device, steps):

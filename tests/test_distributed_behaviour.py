@@ -26,7 +26,7 @@ def equivalence_runs(tiny_data, tmp_path_factory):
     2 ranks x batch 1 x 2 accumulation steps, and train_single 1 rank x batch 4; in float64
     at two settings (there the paths must agree to rounding, 1e-12) and in float32."""
     root = tmp_path_factory.mktemp("equivalence")
-    records = {}
+    results = {}
     for name, (hyper, float64, runs) in EQUIVALENCE_SETS.items():
         flags = ["--epochs", "2", "--workers", "0", "--amp", "off", *hyper]
         for kind, batch_flags in runs.items():
@@ -38,23 +38,29 @@ def equivalence_runs(tiny_data, tmp_path_factory):
                 env.update(PROBE_PERTURB="1", PROBE_COUNT_SYNCS="1")
                 cmd = [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
                        "--no-scale-lr"]
-            result = run([*cmd, *train_args(tiny_data, out, *flags, *batch_flags)], env=env)
-            assert result.returncode == 0, result.stdout + result.stderr
-            records[name, kind] = probe_records(out, 1 if kind == "single" else 2)
-    return {"root": root, "records": records}
+            results[name, kind] = run([*cmd, *train_args(tiny_data, out, *flags, *batch_flags)], env=env)
+    return {"root": root, "results": results}
+
+
+def probes(equivalence_runs, name, kind):
+    """The probe records of one run, which must have finished (checked here, in the test that
+    reads it, so that a run that fails fails that test's assertion)."""
+    result = equivalence_runs["results"][name, kind]
+    assert result.returncode == 0, result.stdout + result.stderr
+    return probe_records(equivalence_runs["root"] / name / kind, 1 if kind == "single" else 2)
 
 
 def test_all_ranks_start_from_rank0_weights(equivalence_runs):
-    rank0, rank1 = equivalence_runs["records"]["fp64", "ddp"]
-    (single,) = equivalence_runs["records"]["fp64", "single"]
+    rank0, rank1 = probes(equivalence_runs, "fp64", "ddp")
+    (single,) = probes(equivalence_runs, "fp64", "single")
     assert rank1["before_wrap"] != pytest.approx(rank0["before_wrap"], rel=1e-6)  # perturbed
     assert rank1["after_wrap"] == rank0["after_wrap"] == rank0["before_wrap"]  # DDP broadcast rank 0's
     assert single["after_wrap"] == pytest.approx(rank0["after_wrap"], rel=1e-12)
 
 
 def test_sample_order_changes_every_epoch_and_ranks_share_nothing(equivalence_runs):
-    rank0, rank1 = equivalence_runs["records"]["fp64", "ddp"]
-    (single,) = equivalence_runs["records"]["fp64", "single"]
+    rank0, rank1 = probes(equivalence_runs, "fp64", "ddp")
+    (single,) = probes(equivalence_runs, "fp64", "single")
     assert rank0["orders"]["0"] != rank0["orders"]["1"]
     for epoch in ("0", "1"):
         assert len(rank0["orders"][epoch]) == len(rank1["orders"][epoch]) == 18
@@ -64,9 +70,11 @@ def test_sample_order_changes_every_epoch_and_ranks_share_nothing(equivalence_ru
         assert single["orders"][epoch][1::2] == rank1["orders"][epoch]
 
 
-def assert_same_run(root, name, run_a, run_b, tolerances):
+def assert_same_run(equivalence_runs, name, run_a, run_b, tolerances):
     """Weights of both epochs within ``tolerances`` (epoch 0, epoch 1), and the same train_loss
     in metrics.csv (the DDP one averaged over ranks, not summed)."""
+    root = equivalence_runs["root"]
+    probes(equivalence_runs, name, run_a), probes(equivalence_runs, name, run_b)  # both finished
     for epoch, tolerance in enumerate(tolerances):
         a = torch.load(root / name / run_a / f"model-{epoch}.pth", weights_only=True)
         b = torch.load(root / name / run_b / f"model-{epoch}.pth", weights_only=True)
@@ -85,24 +93,24 @@ def test_two_ranks_batch_b_equal_one_rank_batch_2b_in_float64(equivalence_runs, 
     """In float64 the two paths compute the same thing: 1e-12 after 18 steps, at the default
     weight decay and lr 0.01 and at weight decay 0 and lr 0.05 (where float32 rounding,
     amplified by training, reaches about 1e-4)."""
+    assert_same_run(equivalence_runs, name, "ddp", "single", (1e-12, 1e-12))
     weights = torch.load(equivalence_runs["root"] / name / "ddp" / "model-1.pth", weights_only=True)
     assert weights["fc.weight"].dtype == torch.float64
-    assert_same_run(equivalence_runs["root"], name, "ddp", "single", (1e-12, 1e-12))
 
 
 def test_two_ranks_batch_b_equal_one_rank_batch_2b_in_float32(equivalence_runs):
     """float32 at the defaults: the two sum their gradients in a different order (1 x 4
     images vs 2 x 2 and an all-reduce); 1e-5 after the 9 steps of epoch 0, 1e-4 after 18."""
-    assert_same_run(equivalence_runs["root"], "fp32", "ddp", "single", (1e-5, 1e-4))
+    assert_same_run(equivalence_runs, "fp32", "ddp", "single", (1e-5, 1e-4))
 
 
 def test_accumulation_over_two_ranks_equals_one_rank_batch_4(equivalence_runs):
     """2 ranks x batch 1 x 2 accumulation steps: the same 9 optimizer steps per epoch as
     2 x 2, hence the same weights as 1 x 4; and DDP averaged gradients only once per
     optimizer step (no_sync on the first micro-batch), as often as the run without accumulation."""
-    assert_same_run(equivalence_runs["root"], "fp64", "accum", "single", (1e-12, 1e-12))
-    records = equivalence_runs["records"]
-    for accum_rank, plain_rank in zip(records["fp64", "accum"], records["fp64", "ddp"]):
+    assert_same_run(equivalence_runs, "fp64", "accum", "single", (1e-12, 1e-12))
+    for accum_rank, plain_rank in zip(probes(equivalence_runs, "fp64", "accum"),
+                                      probes(equivalence_runs, "fp64", "ddp")):
         assert accum_rank["gradient_syncs"] == plain_rank["gradient_syncs"] > 0
 
 
@@ -113,7 +121,8 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     step 2), with one message naming step 1; nothing of the epoch is saved."""
     out = tmp_path / "out"
     result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3")],
+                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
+                              "--dist-timeout", "20")],  # a rank left waiting fails in seconds, not hours
                  env={"PROBE_NAN_RANK": "1", "PROBE_NAN_STEP": "1", "PROBE_OUT": str(tmp_path / "probe")},
                  timeout=120)
     assert result.returncode != 0

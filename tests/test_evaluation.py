@@ -66,10 +66,10 @@ def test_ddp_run_reports_the_accuracy_of_the_weights_it_saves(ddp_run):
     counts = assert_exact_accuracy(ddp_run["result"].stdout, out, epochs=2)
     for epoch, correct in enumerate(counts):
         weights = os.path.join(out, f"model-{epoch}.pth")
-        saved = buffer_checksum(weights)
-        assert [r["eval_buffers"][epoch] for r in ddp_run["probe"]] == [saved, saved]
         assert top1_line(eval_only(weights, 1, "train_single.py")) == \
             f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
+        saved = buffer_checksum(weights)
+        assert [r["eval_buffers"][epoch] for r in ddp_run["probe"]] == [saved, saved]
 
 
 def test_eval_only_refuses_a_mismatched_head(tiny_data, tmp_path):

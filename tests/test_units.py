@@ -295,3 +295,25 @@ def test_restore_derives_the_learning_rate_for_the_new_world_size():
     # half-way through the cosine: 0.2 * (0.1 + 0.9 * 0.5)
     assert after.param_groups[0]["lr"] == pytest.approx(0.2 * 0.55)
     assert scheduler.last_epoch == 10
+
+
+def test_every_planted_bug_still_applies_and_names_a_test():
+    """tests/mutants/*.patch (run by tests/mutants/run.sh) stay part of the suite: each applies
+    to the code as it is, and its first line names a test function that exists."""
+    import glob
+    import re
+    import subprocess
+
+    from conftest import REPO
+
+    patches = sorted(glob.glob(os.path.join(REPO, "tests", "mutants", "*.patch")))
+    assert len(patches) >= 25
+    for patch in patches:
+        with open(patch) as f:
+            first = f.readline()
+        match = re.fullmatch(r"# test: (tests/\w+\.py)::(\w+)(\[[^\]]+\])?\n", first)
+        assert match, (patch, first)
+        with open(os.path.join(REPO, match.group(1))) as f:
+            assert f"def {match.group(2)}(" in f.read(), (patch, first)
+        check = subprocess.run(["git", "apply", "--check", patch], cwd=REPO, capture_output=True, text=True)
+        assert check.returncode == 0, (patch, check.stderr)

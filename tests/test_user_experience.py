@@ -13,8 +13,7 @@ from PIL import Image
 
 from conftest import CLASSES, PYTHON, REPO, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
-from utils import DataSplit, confusion_matrix_csv, download_flower_photos, plot_class_distribution, \
-    plot_confusion_matrix, save_figure
+from utils import DataSplit, download_flower_photos, plot_class_distribution, save_figure
 
 PNGS = ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png")
 
@@ -181,12 +180,19 @@ def assert_tick_labels_readable(fig, ax, renderer, classes, y_names):
 
 
 @pytest.mark.parametrize("classes", [FIVE_CLASSES, TWELVE_CLASSES], ids=["5-classes", "12-classes"])
-def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path):
+def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path, monkeypatch):
+    """What a run writes (save_confusion_matrix): the figure of its PNG and its CSV."""
+    import utils
+
     n = len(classes)
     generator = torch.Generator().manual_seed(n)
     confusion = torch.randint(0, 30, (n, n), generator=generator) + 40 * torch.eye(n, dtype=torch.int64)
     confusion[0, 1], confusion[1, 0] = 7, 0  # not symmetric: a transposed matrix would show
-    fig = plot_confusion_matrix(confusion, classes)
+    figures = []
+    monkeypatch.setattr(utils, "save_figure", lambda fig, path, *args: figures.append((fig, path)) or
+                        save_figure(fig, path, *args))
+    utils.save_confusion_matrix(confusion, classes, str(tmp_path), "validation")
+    ((fig, path),) = figures
     renderer = drawn(fig)
     (ax,) = fig.axes[:1]
     assert_tick_labels_readable(fig, ax, renderer, classes, y_names=True)
@@ -196,12 +202,12 @@ def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path)
         column, row = text.get_position()
         drawn_counts[round(row)][round(column)] = int(text.get_text())
     assert drawn_counts == confusion.tolist()
-    rows = list(csv.reader(confusion_matrix_csv(confusion, classes).splitlines()))
+    with open(tmp_path / "confusion_matrix.csv") as f:
+        rows = list(csv.reader(f))
     assert rows[0] == ["true/predicted", *classes] and [r[0] for r in rows[1:]] == classes
     assert [[int(v) for v in r[1:]] for r in rows[1:]] == drawn_counts  # the picture and its CSV agree
     assert ax.get_title().endswith(f"(accuracy {int(confusion.diag().sum()) / int(confusion.sum()):.4f})")
-
-    path = save_figure(fig, str(tmp_path / "confusion_matrix.png"))
+    assert path == str(tmp_path / "confusion_matrix.png")
     with Image.open(path) as img:
         assert img.format == "PNG" and min(img.size) >= 300
 

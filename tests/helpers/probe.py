@@ -76,7 +76,7 @@ def build_model(*args, **kwargs):
     if os.environ.get("PROBE_PERTURB") == "1" and rank != 0:
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
+                p.add_(torch.randn_like(p) * 0.01)  # small: rank 1 alone must still train
     record["before_wrap"] = checksum(model)
     record_first_conv_output(model)
     return model

@@ -2,9 +2,14 @@
 # Planted bugs: each NAME.patch breaks one claim of the README; its first line names the test
 # that must then fail. For every patch (or those named: run.sh NAME ...), this copies the
 # working tree to a temporary folder, applies the patch there, runs that test, and prints
-# "caught" (the test failed on an assertion), "caught (time-out)" (it failed by running out
-# of time: make it fail faster), "SURVIVED" (it passed) or "STALE" (the patch no longer
-# applies: update it to the moved code). Not part of CI: it takes about half an hour.
+#   caught             the test failed on an assertion
+#   caught (error)     it failed, but not on an assertion of the test (a fixture's run crashed)
+#   caught (time-out)  it failed by running out of time: make it fail faster
+#   SURVIVED           it passed: the claim is not guarded
+#   NO TEST            pytest found no such test (a renamed test: update the patch's first line)
+#   STALE              the patch no longer applies: update it to the moved code
+# Only "caught" counts. Not part of CI (tests/test_units.py checks that every patch still
+# applies and names a test); it takes about 40 minutes on 2 cores.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -28,10 +33,15 @@ for name in "${names[@]}"; do
         status=$?
         if [ $status -eq 0 ]; then
             verdict="SURVIVED"
-        elif [ $status -ne 1 ] || grep -q "TimeoutExpired" "$work/$name.log"; then
+        elif grep -q "TimeoutExpired" "$work/$name.log" || [ $status -eq 124 ]; then
             verdict="caught (time-out)"
-        else
+        elif [ $status -ne 1 ]; then
+            verdict="NO TEST"
+        elif grep -q "^E  *AssertionError\|^E  *assert " "$work/$name.log" \
+                && ! grep -q "ERROR at setup" "$work/$name.log"; then
             verdict="caught"
+        else
+            verdict="caught (error)"
         fi
     fi
     case "$verdict" in caught) caught=$((caught + 1)) ;; *) failed=$((failed + 1)) ;; esac
