@@ -1,5 +1,4 @@
-"""Measure training speed: data loading, the compute ceiling, the real loop, multi-process
-scaling, and the tutorial's way of training on the same data.
+"""Measure training speed: loader, compute ceiling, real loop, scaling, the tutorial's way.
 
     python benchmark.py                    # ResNet-34, 224 px, batch 16, 320 generated JPEGs
     python benchmark.py --quick            # a smoke test in seconds (what CI runs)
@@ -34,14 +33,16 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from model import create_model
-from multi_train_utils.distributed_utils import configure_cpu_threads, cpu_cores_available, select_device
+from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
+                                                 select_device)
 from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.example_data import make_demo_dataset
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
-from my_dataset import EpochIndexSampler, MyDataSet, load_rgb
-from utils import (IMAGENET_MEAN, IMAGENET_STD, build_datasets, default_workers, make_demo_dataset, make_loader,
-                   read_split_data)
+from my_dataset import EpochIndexSampler, MyDataSet
+from utils import build_datasets, make_loader, read_split_data
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
@@ -198,7 +199,7 @@ def measure_tutorial_step(model, images, labels, device, steps):
 
 # --- Scaling under torchrun -----------------------------------------------------------------------
 
-def measure_scaling(args, data_path, processes, device):
+def measure_scaling(args, data_path, processes, device, channels_last):
     """Images/s of train_multi_gpu.py under torchrun with ``processes`` processes: the second of
     two epochs, when every process is warm (kernels chosen, workers started); and what it timed."""
     with tempfile.TemporaryDirectory(prefix="benchmark-") as out:
@@ -207,7 +208,7 @@ def measure_scaling(args, data_path, processes, device):
                "--epochs", "2", "--model", args.model, "--img-size", str(args.img_size),
                "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", device.type,
                "--output-dir", out, "--log-dir", os.path.join(out, "runs"), "--no-scale-lr"]
-        cmd += ["--channels-last" if args.channels_last else "--no-channels-last"]
+        cmd += ["--channels-last" if channels_last else "--no-channels-last"]
         cmd += ["--workers", str(args.workers)] if args.workers is not None else []
         cmd += ["--compile"] if args.compile else []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -302,8 +303,7 @@ def main(argv=None):
     data_path = prepare_data(args)
 
     split = read_split_data(data_path, val_rate=0.1, seed=0)
-    args.seed, args.demo = 0, False
-    train_set, _ = build_datasets(split, args)
+    train_set, _ = build_datasets(split, args.img_size, seed=0)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
     if len(batches) <= WARMUP_STEPS:
@@ -318,9 +318,9 @@ def main(argv=None):
     num_classes = len(split.classes)
     torch.manual_seed(0)
     model = create_model(args.model, num_classes).to(device)
-    args.grad_checkpoint = False
-    model = optimize_model(model, args, device, verbose=False)
-    settings = LoopSettings(precision, args.channels_last)  # as train_single.py runs it
+    model, channels_last = optimize_model(model, argparse.Namespace(**vars(args), grad_checkpoint=False), device,
+                                          verbose=False)
+    settings = LoopSettings(precision, channels_last)  # as train_single.py runs it
     images, labels = next(iter(loader))
     results["step"], timed["step"] = measure_step(model, images, labels, device, settings, args.steps)
     print(f"step: {results['step']:.1f} images/s", flush=True)
@@ -352,7 +352,7 @@ def main(argv=None):
                 print(f"scaling x{processes}: skipped, {len(batches) // processes} batches a process are too few "
                       "to time; raise --num-images", flush=True)
                 continue
-            rate, timed[f"scaling x{processes}"] = measure_scaling(args, data_path, processes, device)
+            rate, timed[f"scaling x{processes}"] = measure_scaling(args, data_path, processes, device, channels_last)
             first = results["scaling"][0]["images_per_second"] if results["scaling"] else rate
             # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
             ideal = first * (processes if device.type == "cuda" else 1)
@@ -367,7 +367,7 @@ def main(argv=None):
         "machine": machine_description(device),
         "settings": {"model": args.model, "img_size": args.img_size, "batch_size": args.batch_size,
                      "images": len(split.train_images_path), "data_path": os.path.abspath(data_path),
-                     "amp": precision.mode, "channels_last": args.channels_last, "compile": args.compile,
+                     "amp": precision.mode, "channels_last": channels_last, "compile": args.compile,
                      "workers": workers, "device": str(device), "warmup_steps_left_out": WARMUP_STEPS},
         "results": results,
     }

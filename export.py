@@ -4,7 +4,7 @@
     python export.py --weights weights/model-best.pth --format onnx      # pip install onnx onnxruntime
 
 The exported model takes float images of shape (N, 3, H, W), H = W = the training image
-size, normalised with ImageNet's mean and std (utils.IMAGENET_MEAN / IMAGENET_STD), and
+size, normalised with ImageNet's mean and std (multi_train_utils.images.IMAGENET_MEAN / IMAGENET_STD), and
 returns one logit per class (class_indices.json). Each file is loaded back and its outputs
 compared with the eager model's on a random batch before the command reports success.
 """
@@ -16,9 +16,10 @@ import warnings
 
 import torch
 
-from model import add_trained_model_flags, load_trained_model
-from multi_train_utils.checkpoint import write_bytes_atomic
 from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.files import write_bytes_atomic
+from multi_train_utils.options import add_trained_model_flags
+from multi_train_utils.run_files import load_trained_model
 
 TOLERANCE = 1e-4
 SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}

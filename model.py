@@ -7,6 +7,7 @@ import torchvision
 from torch import nn
 
 from multi_train_utils.errors import UserError
+from multi_train_utils.files import safe_load
 
 HEAD_NAMES = ("fc", "classifier", "heads", "head")  # what torchvision calls a classifier head
 
@@ -55,8 +56,6 @@ def load_state_dict_file(path, flag="--weights"):
     Accepts a plain state dict or a checkpoint with a ``model`` entry. Returns a state dict
     with any ``module.``/``_orig_mod.`` prefixes removed.
     """
-    from multi_train_utils.checkpoint import safe_load
-
     obj = safe_load(path, flag, ".pth weights file (state dict)")
     if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
         obj = obj["model"]
@@ -172,22 +171,3 @@ def build_model(args, num_classes, weights_state=None, verbose=True):
         if verbose:
             print(f"freeze-layers: training only '{head}' ({count_parameters(model, True):,} parameters)")
     return model
-
-
-def add_trained_model_flags(parser):
-    """--weights, --model, --img-size, --class-indices: the flags of predict.py and export.py."""
-    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
-    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
-    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
-    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")
-
-
-def load_trained_model(args):
-    """The trained model of --weights in eval mode, loaded strictly, with its image size and
-    class names (from the run's args.json and class_indices.json unless given)."""
-    from utils import read_run_settings
-
-    name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
-    model = create_model(name, len(classes))
-    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
-    return model.eval(), name, img_size, classes

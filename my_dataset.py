@@ -1,77 +1,8 @@
 """The dataset of image files and the samplers that feed it."""
-import io
-
 import torch
-from PIL import Image
 from torch.utils.data import Dataset, Sampler
-from torchvision.transforms.v2.functional import pil_to_tensor
 
-try:  # deprecated since torchvision 0.29 in favour of TorchCodec; PIL decodes if it goes away
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:
-    decode_jpeg = None
-
-from multi_train_utils.errors import RankError
-
-
-def load_rgb(path):
-    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...).
-
-    Transparent pixels are put on a white background rather than whatever colour they hide.
-    """
-    try:
-        with Image.open(path) as img:
-            img.load()
-            if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-                rgba = img.convert("RGBA")
-                background = Image.new("RGB", rgba.size, (255, 255, 255))
-                background.paste(rgba, mask=rgba.getchannel("A"))
-                return background
-            if img.mode.startswith("I;16"):
-                img = img.convert("I")
-            if img.mode == "I":  # 16-bit grayscale: keep the top 8 bits
-                img = img.point(lambda v: v / 256).convert("L")
-            return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as e:
-        raise RankError(f"cannot decode image {path} ({e}); delete or replace the file") from None
-
-
-JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-def read_image_uint8(path, keep_side=None):
-    """An image file as a uint8 RGB tensor (3, H, W).
-
-    JPEGs are decoded by torchvision.io (libjpeg-turbo, straight into a tensor); other
-    formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
-    is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
-    the JPEG decoder) with its shorter side still at least ``keep_side``.
-    """
-    with open(path, "rb") as f:
-        data = f.read()
-    if data.startswith(JPEG_MAGIC) and decode_jpeg is not None:
-        if keep_side:
-            reduced = _decode_jpeg_reduced(data, keep_side)
-            if reduced is not None:
-                return reduced
-        try:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError:
-            pass  # a JPEG libjpeg-turbo refuses: PIL decodes it, or names the file in its error
-    return pil_to_tensor(load_rgb(path))
-
-
-def _decode_jpeg_reduced(data, keep_side):
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            if min(width, height) < 2 * keep_side or img.mode not in ("RGB", "L"):
-                return None
-            scale = keep_side / min(width, height)
-            img.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
-            return pil_to_tensor(img.convert("RGB"))
-    except (OSError, ValueError, SyntaxError):
-        return None  # undecodable: the full-size path reports it
+from multi_train_utils.images import read_image_uint8
 
 
 class MyDataSet(Dataset):
@@ -79,7 +10,7 @@ class MyDataSet(Dataset):
 
     Items are (uint8 image tensor, label): the transforms augment uint8 tensors, and the
     training loop converts to float and normalises on the device (fewer bytes to copy).
-    ``keep_side`` lets large JPEGs be decoded at reduced size (see ``read_image_uint8``).
+    ``keep_side`` lets large JPEGs be decoded at reduced size (see ``images.read_image_uint8``).
 
     An index may be an int, or an ``(epoch, index)`` pair from ``EpochIndexSampler``: then the
     random augmentation of that sample is drawn from a generator seeded by

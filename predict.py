@@ -16,13 +16,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from model import add_trained_model_flags, load_trained_model
-from multi_train_utils.checkpoint import write_text_atomic
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import RankError, UserError, run_cli
-from multi_train_utils.train_eval_utils import DeviceNormalizer
-from my_dataset import read_image_uint8
-from utils import IMG_EXTENSIONS, build_transforms, resize_size
+from multi_train_utils.files import write_text_atomic
+from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, resize_size
+from multi_train_utils.options import add_trained_model_flags
+from multi_train_utils.run_files import load_trained_model
+from utils import IMG_EXTENSIONS
 
 
 def get_args_parser():

@@ -1,5 +1,6 @@
-"""Train an image classifier with DistributedDataParallel: one process per GPU (or per share
-of the CPU cores), NCCL on GPUs and gloo on CPUs.
+"""Train an image classifier with DistributedDataParallel: one process per GPU or CPU share.
+
+NCCL on GPUs and gloo on CPUs; every way to launch it:
 
     torchrun --nproc_per_node=4 train_multi_gpu.py --data-path data/flower_photos
     python -m torch.distributed.launch --nproc_per_node=4 train_multi_gpu.py ...
@@ -21,22 +22,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import build_model
-from multi_train_utils.checkpoint import restore_training_state
+from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
-                                                 configure_cpu_threads, init_distributed_mode, read_dist_env,
-                                                 select_device)
+                                                 configure_cpu_threads, default_workers, init_distributed_mode,
+                                                 read_dist_env, select_device, use_sync_bn)
 from multi_train_utils.errors import run_cli
-from multi_train_utils.inputs import read_inputs, resume_hint
+from multi_train_utils.inputs import load_data, read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
-from multi_train_utils.summary import print_start_summary
+from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
-                                                optimizer_steps_per_epoch, report_evaluation, train_one_epoch)
+                                                optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, load_data, make_loader
+from utils import build_datasets, make_loader
 
 
 def main(argv=None):
@@ -52,8 +54,8 @@ def main(argv=None):
     run_log = RunLog() if is_main else None  # what rank 0 prints goes to train.log too
     install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
 
-    # 1. Process group (none for a single process started without a launcher).
-    init_distributed_mode(args, env, device)
+    # 1. Process group (none, and backend None, for a single process started without a launcher).
+    backend = init_distributed_mode(args, env, device)
     try:
         # Data, --weights, --resume, --output-dir: every rank checks the same input; if any rank
         # finds a problem, all stop here, before anything is built or written.
@@ -62,7 +64,7 @@ def main(argv=None):
         check_same_on_every_rank(-1 if checkpoint is None else int(checkpoint["epoch"]), device,
                                  "the checkpoint to resume from")
         num_classes = len(split.classes)
-        train_set, val_set = build_datasets(split, args)
+        train_set, val_set = build_datasets(split, args.img_size, args.seed)
 
         # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
         #    validation is sharded without padding so every image counts exactly once.
@@ -79,18 +81,12 @@ def main(argv=None):
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
 
-        # 3. SyncBatchNorm: batch statistics over all GPUs. torch has it for GPUs only.
-        if args.sync_bn is None:
-            args.sync_bn = device.type == "cuda" and args.distributed
-        if args.sync_bn and device.type != "cuda":
-            if is_main:
-                print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
-            args.sync_bn = False
-        if args.sync_bn and args.distributed:
+        # 3. SyncBatchNorm: batch statistics over all GPUs (on by default there; torch has it for GPUs only).
+        if use_sync_bn(args.sync_bn, device, env.distributed, verbose=is_main):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(device)
-        model = optimize_model(model, args, device, verbose=is_main)  # channels_last, --grad-checkpoint, --compile
-        settings = LoopSettings.from_args(args, precision)
+        model, channels_last = optimize_model(model, args, device, verbose=is_main)  # --grad-checkpoint, --compile
+        settings = LoopSettings.from_args(args, precision, channels_last)
 
         if args.eval_only:
             result = evaluate(model, val_loader, device, num_classes, settings)
@@ -99,7 +95,7 @@ def main(argv=None):
             return
 
         # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.
-        if args.distributed:
+        if env.distributed:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
         lr = args.lr * env.world_size if args.scale_lr else args.lr
@@ -110,10 +106,14 @@ def main(argv=None):
         lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                            args.epochs, args.warmup_epochs, args.lrf, start_epoch)
 
-        recorder = RunRecorder(args, split.classes, is_main, checkpoint, resume_path, run_log)  # 7. only rank 0 writes
+        if is_main:  # only rank 0 writes (see 7.)
+            clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
+            set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
+        recorder = RunRecorder(args=args, classes=split.classes, world_size=env.world_size, enabled=is_main,
+                               checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
         if is_main:
-            print_start_summary(args, split, device, precision, model, lr, workers, recorder.log_dir,
-                                env.world_size, env.launcher, args.dist_backend if args.distributed else "-")
+            print_start_summary(args, split, device, settings, model, lr, workers, recorder.log_dir,
+                                env.world_size, env.launcher, backend or "-")
             recorder.plot_data(split, train_set)
         for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()
@@ -122,6 +122,7 @@ def main(argv=None):
             # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
             train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler, settings)
             result = evaluate(model, val_loader, device, num_classes, settings)
+            # 7. Rank 0 saves the checkpoint, the epoch's weights and metrics.csv (the others skip it).
             recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
                                time.perf_counter() - start)
         recorder.finish()  # curves, confusion matrix, end summary

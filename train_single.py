@@ -11,20 +11,21 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import build_model
-from multi_train_utils.checkpoint import restore_training_state
-from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
+from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
+from multi_train_utils.distributed_utils import configure_cpu_threads, default_workers, select_device
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
-from multi_train_utils.summary import print_start_summary
+from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
-                                                optimizer_steps_per_epoch, report_evaluation, train_one_epoch)
+                                                optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, default_workers, make_loader
+from utils import build_datasets, make_loader
 
 
 def main(argv=None):
@@ -39,7 +40,7 @@ def main(argv=None):
     # Data, --weights, --resume, --output-dir: all checked before anything is built or written.
     split, weights_state, resume_path, checkpoint = read_inputs(args)
     num_classes = len(split.classes)
-    train_set, val_set = build_datasets(split, args)
+    train_set, val_set = build_datasets(split, args.img_size, args.seed)
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
     # and the same on every rerun (or resume) with this --seed.
@@ -55,10 +56,10 @@ def main(argv=None):
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
     model.to(device)
-    model = optimize_model(model, args, device)  # channels_last, --grad-checkpoint, --compile
+    model, channels_last = optimize_model(model, args, device)  # channels_last, --grad-checkpoint, --compile
     if args.data_parallel:
         model = wrap_data_parallel(model, device)
-    settings = LoopSettings.from_args(args, precision)
+    settings = LoopSettings.from_args(args, precision, channels_last)
 
     if args.eval_only:
         report_evaluation(evaluate(model, val_loader, device, num_classes, settings), split, args)
@@ -71,8 +72,11 @@ def main(argv=None):
     lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
                                        args.epochs, args.warmup_epochs, args.lrf, start_epoch)
 
-    recorder = RunRecorder(args, split.classes, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
-    print_start_summary(args, split, device, precision, model, args.lr, workers, recorder.log_dir)
+    clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
+    set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
+    recorder = RunRecorder(args=args, classes=split.classes, checkpoint=checkpoint, resume_path=resume_path,
+                           run_log=run_log)
+    print_start_summary(args, split, device, settings, model, args.lr, workers, recorder.log_dir)
     recorder.plot_data(split, train_set)  # class_distribution.png, batch_preview.png
     for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()

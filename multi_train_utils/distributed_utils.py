@@ -152,6 +152,12 @@ def cores_per_process(local_world_size=1):
     return max(1, cores // max(1, local_world_size))
 
 
+def default_workers(local_world_size=1):
+    """Loader workers per process: this process's share of the cores (a fixed cap would starve
+    fast GPUs on big machines; on a CPU the workers mostly wait, the model uses the cores)."""
+    return cores_per_process(local_world_size)
+
+
 def configure_cpu_threads(device, local_world_size=1):
     """Give each local process its share of the cores, so N ranks on one CPU don't fight."""
     if device.type == "cpu":
@@ -159,21 +165,18 @@ def configure_cpu_threads(device, local_world_size=1):
 
 
 def init_distributed_mode(args, env, device):
-    """Create the default process group when launched by torchrun, launch or SLURM.
+    """Create the default process group when launched by torchrun, launch or SLURM; return its
+    backend, or None for a single process (no process group).
 
-    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides. Sets ``args.rank``,
-    ``args.world_size``, ``args.gpu`` and ``args.distributed`` as the tutorial does.
+    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides.
     """
-    args.rank, args.world_size, args.gpu = env.rank, env.world_size, env.local_rank
-    args.distributed = env.distributed
     if not env.distributed:
-        return
+        return None
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError(f"--dist-backend nccl needs CUDA GPUs, but the device is {device}; use gloo")
     if not dist.is_backend_available(backend):
         raise UserError(f"--dist-backend {backend}: not built into this torch; use gloo or nccl")
-    args.dist_backend = backend
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.dist_timeout)
@@ -186,6 +189,19 @@ def init_distributed_mode(args, env, device):
         timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
+    return backend
+
+
+def use_sync_bn(requested, device, distributed, verbose=True):
+    """``--sync-bn`` resolved: on by default for GPUs in a process group; torch has
+    SyncBatchNorm for GPUs only, so on CPUs it stays off (with a warning if asked for)."""
+    if requested is None:
+        return device.type == "cuda" and distributed
+    if requested and device.type != "cuda":
+        if verbose:
+            print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
+        return False
+    return requested and distributed
 
 
 def _rendezvous_store(env, timeout):

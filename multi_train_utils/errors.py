@@ -1,6 +1,11 @@
 """User-facing errors: one clear line and a non-zero exit, never a traceback."""
 import os
+import signal
 import sys
+
+import torch.distributed as dist
+
+from multi_train_utils.signals import TrainingInterrupted
 
 # Exit code for bad input (argparse uses it for unknown flags too).
 EXIT_USER_ERROR = 2
@@ -46,8 +51,6 @@ def report_error(error):
 
 def _collective_failure(error):
     """One line for a collective that failed because of another process, else None."""
-    import torch.distributed as dist
-
     text = str(error)
     if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)) or not isinstance(error, RuntimeError):
         return None  # the rendezvous itself failed, or not a collective: report as it is
@@ -63,8 +66,6 @@ def run_cli(main, argv=None):
     """Run an entry script's ``main(argv)``: a UserError becomes one line and exit code 2;
     a collective that lost its peer one line and exit code 1; Ctrl-C / SIGTERM one line on
     how to resume (rank 0) and exit code 128 + the signal number."""
-    from multi_train_utils.signals import TrainingInterrupted
-
     try:
         main(argv)
     except UserError as e:
@@ -72,8 +73,6 @@ def run_cli(main, argv=None):
         sys.exit(EXIT_USER_ERROR)
     except TrainingInterrupted as e:
         if e.message:
-            import signal
-
             print(f"\ninterrupted by {signal.Signals(e.signum).name}: {e.message}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
     except Exception as e:

@@ -1,9 +1,12 @@
-"""Command-line flags shared by train_single.py and train_multi_gpu.py."""
+"""Command-line flags of the scripts.
+
+Those of train_single.py and train_multi_gpu.py, with --demo's defaults and --eval-only's
+run settings, and the trained-model flags of predict.py and export.py."""
 import argparse
-import json
 import os
 
 from multi_train_utils.errors import UserError
+from multi_train_utils.run_files import read_run_args
 
 # What --demo changes, unless given on the command line: a small model and small images so
 # that the demo trains in a few minutes on a laptop CPU.
@@ -120,7 +123,6 @@ def parse_args(parser, argv=None):
         for key, value in DEMO_DEFAULTS.items():
             if key not in given:
                 setattr(args, key, value)
-    args.run_classes = None
     if args.eval_only:
         if not args.weights:
             raise UserError("--eval-only needs --weights PATH (e.g. weights/model-29.pth)")
@@ -129,34 +131,21 @@ def parse_args(parser, argv=None):
     return args
 
 
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot be read as JSON ({e}); fix or delete it") from None
-
-
 def take_run_settings(args, given):
     """For --eval-only: model, image size, data and split of the run that wrote --weights
-    (its args.json and class_indices.json), unless given on the command line."""
+    (its args.json), unless given on the command line."""
     run_dir = os.path.dirname(os.path.abspath(args.weights))
-    args_file = os.path.join(run_dir, "args.json")
-    if os.path.isfile(args_file):
-        run_args = _read_json(args_file)
-        for key in RUN_SETTINGS:
-            if key not in given and key in run_args:
-                setattr(args, key, run_args[key])
-        for key in ("data_path", "val_path"):
-            path = getattr(args, key)
-            if key not in given and path and not os.path.isdir(path):
-                raise UserError(f"--{key.replace('_', '-')} {path} (from {args_file}) is not there any more; "
-                                f"give --{key.replace('_', '-')}")
-    classes_file = os.path.join(run_dir, "class_indices.json")
-    if os.path.isfile(classes_file):
-        from utils import read_class_indices
-
-        args.run_classes = read_class_indices(classes_file)
+    run_args = read_run_args(run_dir)
+    if run_args is None:
+        return
+    for key in RUN_SETTINGS:
+        if key not in given and key in run_args:
+            setattr(args, key, run_args[key])
+    for key in ("data_path", "val_path"):
+        path = getattr(args, key)
+        if key not in given and path and not os.path.isdir(path):
+            raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
+                            f"there any more; give --{key.replace('_', '-')}")
 
 
 def check_numbers(args):
@@ -193,11 +182,9 @@ def check_numbers(args):
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
 
 
-def args_to_dict(args):
-    """The flags as JSON-friendly values (for args.json); data paths made absolute so that
-    --eval-only finds them from any folder."""
-    values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
-    for key in ("data_path", "val_path"):
-        if values.get(key):
-            values[key] = os.path.abspath(values[key])
-    return values
+def add_trained_model_flags(parser):
+    """--weights, --model, --img-size, --class-indices: the flags of predict.py and export.py."""
+    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+    parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
+    parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
+    parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")

@@ -163,11 +163,12 @@ def enable_grad_checkpoint(model, model_name="the model"):
 def optimize_model(model, args, device, verbose=True):
     """channels_last, --grad-checkpoint and --compile on a model already on ``device``.
 
-    Sets ``args.channels_last`` to the choice made. Compile comes last, on the plain module
-    (as in nanoGPT); checkpoints are still saved from the plain module, without prefixes.
+    Returns ``(model, channels_last)``: the model to train, and whether it (and so its input)
+    is in channels_last. Compile comes last, on the plain module (as in nanoGPT); checkpoints
+    are still saved from the plain module, without prefixes.
     """
-    args.channels_last = wants_channels_last(args.channels_last, model, device)
-    if args.channels_last:
+    channels_last = wants_channels_last(args.channels_last, model, device)
+    if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if args.grad_checkpoint:
         stages = enable_grad_checkpoint(model, args.model)
@@ -175,4 +176,4 @@ def optimize_model(model, args, device, verbose=True):
             print(f"grad-checkpoint: recomputing {', '.join(stages)} in backward", flush=True)
     if args.compile:
         model = torch.compile(model)
-    return model
+    return model, channels_last

@@ -1,22 +1,23 @@
-"""What rank 0 writes while training: the checkpoint, weights, metrics.csv, args.json,
-TensorBoard."""
+"""What rank 0 writes while training: checkpoint, weights, metrics.csv, args.json, TensorBoard."""
 import os
 import time
 
 from model import plain_state_dict
-from multi_train_utils.checkpoint import (CHECKPOINT, PREVIOUS_CHECKPOINT, clear_earlier_run,
-                                          clear_leftover_temporary_files, model_epoch_files, resumes_in, rng_state,
-                                          save_atomic, save_checkpoint, write_json_atomic, write_text_atomic)
-from multi_train_utils.options import args_to_dict
+from multi_train_utils.checkpoint import resumes_in, rng_state, save_checkpoint
+from multi_train_utils.files import save_atomic
+from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
+                                        save_confusion_matrix, save_figure)
+from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, model_epoch_files, write_metrics,
+                                         write_run_settings)
 from multi_train_utils.summary import print_end_summary
-from utils import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
-                   save_confusion_matrix, save_figure, write_class_indices)
-
-METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
 
 
 class RunRecorder:
     """Writes a run's files; does nothing on ranks other than 0 (``enabled=False``).
+
+    At the start: train.log (from then on), args.json, class_indices.json, and metrics.csv
+    (or, resuming, the files of the checkpoint's epoch). ``clear_earlier_run`` and
+    ``set_aside_damaged_checkpoint`` make --output-dir ready before.
 
     After every epoch, in this order: ``checkpoint.pth`` (which also holds the metrics rows
     and the best epoch), then ``model-{epoch}.pth``, ``model-best.pth`` and metrics.csv, all
@@ -24,10 +25,11 @@ class RunRecorder:
     checkpoint and rewrites what came after it.
     """
 
-    def __init__(self, args, classes, enabled=True, checkpoint=None, resume_path=None, run_log=None):
+    def __init__(self, args, classes, world_size=1, enabled=True, checkpoint=None, resume_path=None, run_log=None):
         self.enabled = enabled
         self.args = args
         self.classes = classes
+        self.world_size = world_size
         self.output_dir = args.output_dir
         checkpoint = checkpoint or {}
         self.rows = list(checkpoint.get("metrics", []))
@@ -46,45 +48,33 @@ class RunRecorder:
         if not enabled:
             return
         os.makedirs(self.output_dir, exist_ok=True)
-        clear_leftover_temporary_files(self.output_dir)
-        if not checkpoint and (args.overwrite or args.resume == "auto"):
-            clear_earlier_run(self.output_dir)  # --resume auto with nothing to resume: a fresh start
         if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
             run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
-        if resume_path and resume_path.endswith(PREVIOUS_CHECKPOINT) and resuming_here:
-            damaged = os.path.join(self.output_dir, CHECKPOINT)
-            if os.path.exists(damaged):  # keep it out of the way: it must never become "previous"
-                os.replace(damaged, damaged + ".damaged")
-        write_json_atomic(args_to_dict(args), os.path.join(self.output_dir, "args.json"))
-        write_class_indices(classes, self.output_dir)
+        write_run_settings(self.output_dir, args, classes)  # args.json, class_indices.json
         if checkpoint:
             self._report_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"])
         else:
-            self._write_metrics()
+            write_metrics(self.output_dir, self.rows)
         from torch.utils.tensorboard import SummaryWriter  # slow import: only where needed
 
         self.writer = SummaryWriter(log_dir=self.log_dir,
                                     purge_step=int(checkpoint["epoch"]) + 1 if checkpoint else None)
 
     def _report_resume(self, checkpoint, resume_path):
-        epoch, world_size = int(checkpoint["epoch"]), getattr(self.args, "world_size", 1)
+        epoch, world_size = int(checkpoint["epoch"]), self.world_size
         print(f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}",
               flush=True)
         if checkpoint.get("world_size", world_size) != world_size:
             print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
                   f"{world_size}: the learning rate is scaled anew and the data order differs", flush=True)
 
-    def _write_metrics(self):
-        lines = [",".join(METRICS_HEADER)] + [",".join(str(v) for v in row) for row in self.rows]
-        write_text_atomic("\n".join(lines) + "\n", os.path.join(self.output_dir, "metrics.csv"))
-
     def _write_epoch_files(self, epoch, weights):
         """Everything that follows from a checkpoint: model-{epoch}, model-best, metrics.csv."""
         save_atomic(weights, os.path.join(self.output_dir, f"model-{epoch}.pth"))
         if self.best_epoch == epoch:
             save_atomic(weights, os.path.join(self.output_dir, "model-best.pth"))
-        self._write_metrics()
+        write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
 
     def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds):
@@ -115,7 +105,7 @@ class RunRecorder:
             "metrics": self.rows,
             "args": args_to_dict(self.args),
             "classes": list(self.classes),
-            "world_size": getattr(self.args, "world_size", 1),
+            "world_size": self.world_size,
             "log_dir": self.log_dir,
             "rng": rng_state(),
         })

@@ -1,10 +1,11 @@
-"""What rank 0 prints at the start of a run (one screen) and at its end."""
+"""What rank 0 prints: the start of a run (one screen), its end, and an evaluation's report."""
 import os
 
 import torch
 
 from model import count_parameters
-from utils import PLOT_FILES, print_data_summary
+from multi_train_utils.example_data import DEMO_MARKER
+from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
 
 RULE = "-" * 78
 
@@ -17,7 +18,7 @@ def describe_device(device):
     return str(device)
 
 
-def print_start_summary(args, split, device, precision, model, lr, workers, log_dir, world_size=1,
+def print_start_summary(args, split, device, settings, model, lr, workers, log_dir, world_size=1,
                         launcher="single process", backend="-"):
     """Devices, data, model, batch, learning rate and where everything goes."""
     print(RULE)
@@ -26,7 +27,7 @@ def print_start_summary(args, split, device, precision, model, lr, workers, log_
     else:
         where = describe_device(device) + (" per process" if world_size > 1 else "")
     print(f"world size: {world_size} ({launcher}, backend {backend}), device: {where}")
-    print(f"amp: {precision.describe()}, channels_last: {'on' if args.channels_last else 'off'}"
+    print(f"amp: {settings.precision.describe()}, channels_last: {'on' if settings.channels_last else 'off'}"
           + (", compiled" if args.compile else "") + (", grad-checkpoint" if args.grad_checkpoint else ""))
     print_data_summary(args, split)
     trainable = count_parameters(model, trainable_only=True)
@@ -61,3 +62,36 @@ def print_end_summary(output_dir, best_accuracy, best_epoch, seconds, plots):
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
     print(RULE, flush=True)
+
+
+def print_data_summary(args, split):
+    """Rank 0's description of the data: images per class and split sizes, skipped files."""
+    if not args.demo and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
+        print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
+    for path in split.skipped:
+        print(f"warning: skipping {path}: not a readable image", flush=True)
+    counts = {name: 0 for name in split.classes}
+    for label in split.train_images_label + split.val_images_label:
+        counts[split.classes[label]] += 1
+    where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
+    print(f"data: {where}: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
+    print(f"split: {len(split.train_images_path)} train, {len(split.val_images_path)} val images", flush=True)
+
+
+def print_evaluation(result, classes):
+    """Per-class accuracy lines, then ``top1 accuracy: 0.812500 (130/160)`` as the last line."""
+    width = max(len(c) for c in classes)
+    for i, name in enumerate(classes):
+        row = result.confusion[i]
+        total, correct = int(row.sum()), int(row[i])
+        print(f"  {name:<{width}}  {correct / max(1, total):.6f} ({correct}/{total})")
+    print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
+
+
+def report_evaluation(result, split, args):
+    """What --eval-only prints (data, per-class and top-1 accuracy) and, with --eval-output,
+    writes (the confusion matrix as PNG and CSV). Rank 0 only."""
+    print_data_summary(args, split)
+    print_evaluation(result, split.classes)
+    if args.eval_output:
+        save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)

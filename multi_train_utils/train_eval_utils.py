@@ -16,8 +16,8 @@ from model import set_train_mode
 from multi_train_utils.distributed_utils import (all_reduce_sum, broadcast_buffers, get_world_size, is_main_process,
                                                  reduce_value)
 from multi_train_utils.errors import UserError
+from multi_train_utils.images import DeviceNormalizer
 from multi_train_utils.performance import Precision
-from utils import IMAGENET_MEAN, IMAGENET_STD, print_data_summary, save_confusion_matrix
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
 WARMUP_STEPS = 2
@@ -49,28 +49,9 @@ class LoopSettings:
     print_freq: int = 20  # steps between loss updates of the progress bar (each is a host sync)
 
     @classmethod
-    def from_args(cls, args, precision):
-        return cls(precision, args.channels_last, args.accum_steps, args.clip_grad, args.print_freq)
-
-
-class DeviceNormalizer:
-    """uint8 image batches from the loader -> normalised float batches on the device.
-
-    Copying uint8 moves a quarter of the bytes of float32; the conversion runs on the device.
-    """
-
-    def __init__(self, device, channels_last=False):
-        self.device = device
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
-
-    def __call__(self, images, labels):
-        return self.normalize(images), labels.to(self.device, non_blocking=True)
-
-    def normalize(self, images):
-        images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
-        return (images.float() - self.mean) * self.inv_std
+    def from_args(cls, args, precision, channels_last):
+        """The flags' settings, with the precision and memory format chosen for the device."""
+        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq)
 
 
 @dataclass
@@ -235,22 +216,3 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
         confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes)
     all_reduce_sum(confusion)
     return EvalResult(confusion.view(num_classes, num_classes).cpu())
-
-
-def print_evaluation(result, classes):
-    """Per-class accuracy lines, then ``top1 accuracy: 0.812500 (130/160)`` as the last line."""
-    width = max(len(c) for c in classes)
-    for i, name in enumerate(classes):
-        row = result.confusion[i]
-        total, correct = int(row.sum()), int(row[i])
-        print(f"  {name:<{width}}  {correct / max(1, total):.6f} ({correct}/{total})")
-    print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
-
-
-def report_evaluation(result, split, args):
-    """What --eval-only prints (data, per-class and top-1 accuracy) and, with --eval-output,
-    writes (the confusion matrix as PNG and CSV). Rank 0 only."""
-    print_data_summary(args, split)
-    print_evaluation(result, split.classes)
-    if args.eval_output:
-        save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)

@@ -17,7 +17,7 @@ from PIL import Image
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from utils import DEMO_CLASSES, _draw_flower  # noqa: E402
+from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower  # noqa: E402
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]

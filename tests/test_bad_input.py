@@ -104,6 +104,22 @@ def case_eval_only_without_weights(tmp, data):
     return ["--data-path", data["train"], "--eval-only"], ["--eval-only needs --weights"]
 
 
+def _weights_of_a_cats_and_dogs_run(tmp):
+    """model-0.pth of a run on other classes, with its class_indices.json (no args.json)."""
+    from model import create_model
+
+    run_dir = tmp / "pets"
+    run_dir.mkdir()
+    torch.save(create_model("resnet18", 2).state_dict(), run_dir / "model-0.pth")
+    (run_dir / "class_indices.json").write_text('{"0": "cats", "1": "dogs"}')
+    return str(run_dir / "model-0.pth")
+
+
+def case_eval_only_on_data_of_other_classes(tmp, data):
+    return (["--data-path", data["train"], "--eval-only", "--weights", _weights_of_a_cats_and_dogs_run(tmp)],
+            ["differ from the weights' class_indices.json ['cats', 'dogs']"])
+
+
 def case_unknown_model(tmp, data):
     return ["--data-path", data["train"], "--model", "resnet9000"], ["--model resnet9000", "resnet18"]
 

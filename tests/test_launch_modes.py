@@ -150,7 +150,7 @@ def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path):
     assert all(len(os.listdir(data / c)) == 60 for c in classes)
     # a second --demo run reuses the data as it is
     stamp = os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns
-    from utils import make_demo_dataset
+    from multi_train_utils.example_data import make_demo_dataset
 
     make_demo_dataset(str(data))
     assert os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns == stamp

@@ -17,10 +17,10 @@ from conftest import CORES, PYTHON, REPO, cpuinfo_lists_bf16, run
 from model import create_model, plain_state_dict
 from multi_train_utils import performance
 from multi_train_utils.errors import RankError, UserError
+from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer, read_image_uint8
 from multi_train_utils.performance import Precision, choose_precision, enable_grad_checkpoint, optimize_model
-from multi_train_utils.train_eval_utils import DeviceNormalizer, LoopSettings, train_one_epoch
-from my_dataset import read_image_uint8
-from utils import IMAGENET_MEAN, IMAGENET_STD, DEMO_CLASSES, _draw_flower
+from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
 CPU = torch.device("cpu")
 
@@ -261,8 +261,8 @@ def test_compiled_model_with_grad_checkpoint_trains_like_the_plain_one_and_saves
     eager = StagedNet()
     torch.manual_seed(0)
     args = argparse.Namespace(channels_last=None, grad_checkpoint=True, compile=True, model="tiny")
-    compiled = optimize_model(StagedNet(), args, CPU, verbose=False)
-    assert args.channels_last and hasattr(compiled, "_orig_mod")
+    compiled, channels_last = optimize_model(StagedNet(), args, CPU, verbose=False)
+    assert channels_last and hasattr(compiled, "_orig_mod")
     before = {k: v.clone() for k, v in eager.state_dict().items()}
     for model in (eager, compiled):
         train(model, 8, LoopSettings(channels_last=True))

@@ -69,12 +69,10 @@ def epoch_images(train_set, seed, epochs, workers):
 def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
     """Image i gets another random crop in epoch 1 than in epoch 0 (persistent loader workers
     included), and the same crops again in a rerun with the same seed and other workers."""
-    from argparse import Namespace
-
     from utils import build_datasets, read_split_data
 
     split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
-    train_set, _ = build_datasets(split, Namespace(img_size=24, seed=0))
+    train_set, _ = build_datasets(split, img_size=24, seed=0)
     first = epoch_images(train_set, seed=0, epochs=(0, 1), workers=1)
     indices = sorted({index for _, index in first})
     assert len(indices) == 36

@@ -13,7 +13,9 @@ from PIL import Image
 
 from conftest import CLASSES, PYTHON, REPO, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
-from utils import DataSplit, download_flower_photos, plot_class_distribution, save_figure
+from multi_train_utils.example_data import download_flower_photos
+from multi_train_utils.pictures import plot_class_distribution, save_figure
+from utils import DataSplit
 
 PNGS = ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png")
 
@@ -131,12 +133,12 @@ def test_plot_command_redraws_curves_of_a_finished_run(single_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(single_run["out"], run_dir)
     os.remove(run_dir / "curves.png")
-    result = run([PYTHON, script("utils.py"), "plot", str(run_dir)])
+    result = run([PYTHON, "-m", "multi_train_utils.pictures", str(run_dir)])
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and "(2 epochs)" in result.stdout
     with Image.open(run_dir / "curves.png") as img:
         assert min(img.size) >= 200
-    missing = run([PYTHON, script("utils.py"), "plot", str(tmp_path / "nope")])
+    missing = run([PYTHON, "-m", "multi_train_utils.pictures", str(tmp_path / "nope")])
     assert missing.returncode == 2 and "metrics.csv: cannot be read" in missing.stderr
 
 
@@ -182,16 +184,16 @@ def assert_tick_labels_readable(fig, ax, renderer, classes, y_names):
 @pytest.mark.parametrize("classes", [FIVE_CLASSES, TWELVE_CLASSES], ids=["5-classes", "12-classes"])
 def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path, monkeypatch):
     """What a run writes (save_confusion_matrix): the figure of its PNG and its CSV."""
-    import utils
+    from multi_train_utils import pictures
 
     n = len(classes)
     generator = torch.Generator().manual_seed(n)
     confusion = torch.randint(0, 30, (n, n), generator=generator) + 40 * torch.eye(n, dtype=torch.int64)
     confusion[0, 1], confusion[1, 0] = 7, 0  # not symmetric: a transposed matrix would show
     figures = []
-    monkeypatch.setattr(utils, "save_figure", lambda fig, path, *args: figures.append((fig, path)) or
+    monkeypatch.setattr(pictures, "save_figure", lambda fig, path, *args: figures.append((fig, path)) or
                         save_figure(fig, path, *args))
-    utils.save_confusion_matrix(confusion, classes, str(tmp_path), "validation")
+    pictures.save_confusion_matrix(confusion, classes, str(tmp_path), "validation")
     ((fig, path),) = figures
     renderer = drawn(fig)
     (ax,) = fig.axes[:1]

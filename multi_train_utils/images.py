@@ -1,0 +1,121 @@
+"""The image pipeline: decoding, transforms, and normalisation on the device.
+
+Files are decoded to uint8 tensors, augmented (train) or resized and cropped (val) as uint8,
+and normalised with ImageNet's mean and std on the device; training, evaluation,
+predict.py, export.py and benchmark.py all use this one."""
+import io
+
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+from torchvision.transforms.v2.functional import pil_to_tensor
+
+try:  # deprecated since torchvision 0.29 in favour of TorchCodec; PIL decodes if it goes away
+    from torchvision.io import ImageReadMode, decode_jpeg
+except ImportError:
+    decode_jpeg = None
+
+from multi_train_utils.errors import RankError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+# --- Decoding -----------------------------------------------------------------------------------
+
+def load_rgb(path):
+    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...).
+
+    Transparent pixels are put on a white background rather than whatever colour they hide.
+    """
+    try:
+        with Image.open(path) as img:
+            img.load()
+            if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+                rgba = img.convert("RGBA")
+                background = Image.new("RGB", rgba.size, (255, 255, 255))
+                background.paste(rgba, mask=rgba.getchannel("A"))
+                return background
+            if img.mode.startswith("I;16"):
+                img = img.convert("I")
+            if img.mode == "I":  # 16-bit grayscale: keep the top 8 bits
+                img = img.point(lambda v: v / 256).convert("L")
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:
+        raise RankError(f"cannot decode image {path} ({e}); delete or replace the file") from None
+
+
+def read_image_uint8(path, keep_side=None):
+    """An image file as a uint8 RGB tensor (3, H, W).
+
+    JPEGs are decoded by torchvision.io (libjpeg-turbo, straight into a tensor); other
+    formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
+    is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
+    the JPEG decoder) with its shorter side still at least ``keep_side``.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(JPEG_MAGIC) and decode_jpeg is not None:
+        if keep_side:
+            reduced = _decode_jpeg_reduced(data, keep_side)
+            if reduced is not None:
+                return reduced
+        try:
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            pass  # a JPEG libjpeg-turbo refuses: PIL decodes it, or names the file in its error
+    return pil_to_tensor(load_rgb(path))
+
+
+def _decode_jpeg_reduced(data, keep_side):
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if min(width, height) < 2 * keep_side or img.mode not in ("RGB", "L"):
+                return None
+            scale = keep_side / min(width, height)
+            img.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
+            return pil_to_tensor(img.convert("RGB"))
+    except (OSError, ValueError, SyntaxError):
+        return None  # undecodable: the full-size path reports it
+
+
+# --- Transforms (on uint8 tensors) ---------------------------------------------------------------
+
+def resize_size(img_size):
+    """Validation images are resized to 256/224 of the crop size, then center-cropped."""
+    return round(img_size * 256 / 224)
+
+
+def build_transforms(img_size):
+    """Train: random resized crop + horizontal flip; val: resize + center crop.
+
+    Both work on uint8 tensors; conversion to float and normalisation with ImageNet's mean
+    and std happen on the device, in the training loop (``DeviceNormalizer``).
+    """
+    train = v2.Compose([v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()])
+    val = v2.Compose([v2.Resize(resize_size(img_size), antialias=True), v2.CenterCrop(img_size)])
+    return train, val
+
+
+# --- On the device -------------------------------------------------------------------------------
+
+class DeviceNormalizer:
+    """uint8 image batches from the loader -> normalised float batches on the device.
+
+    Copying uint8 moves a quarter of the bytes of float32; the conversion runs on the device.
+    """
+
+    def __init__(self, device, channels_last=False):
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+
+    def __call__(self, images, labels):
+        return self.normalize(images), labels.to(self.device, non_blocking=True)
+
+    def normalize(self, images):
+        images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
+        return (images.float() - self.mean) * self.inv_std

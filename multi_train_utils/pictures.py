@@ -1,0 +1,159 @@
+"""Pictures of a run, as PNG files and in TensorBoard, and the command that redraws its curves.
+
+The class distribution, a batch preview, the training curves and the confusion matrix.
+
+    python -m multi_train_utils.pictures RUN_DIR     # curves.png from RUN_DIR/metrics.csv
+
+matplotlib Figures are drawn straight into PNG files by its Agg renderer: never a window,
+no display needed, and pyplot's global state is left alone.
+"""
+import argparse
+import io
+import os
+
+from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.files import write_bytes_atomic, write_text_atomic
+from multi_train_utils.run_files import read_metrics
+
+
+PLOT_FILES = {"class_distribution": "class_distribution.png", "batch_preview": "batch_preview.png",
+              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png"}
+MAX_INCHES = 20  # figures grow with the number of classes up to this size
+MAX_LABELLED_CLASSES = 50  # beyond this, class names are left off the axes
+
+
+def _figure(width, height):
+    """A Figure laid out by matplotlib's constrained layout: the margins grow to fit the tick
+    labels (long class names included), so no label overlaps the plot or is cut off the
+    picture, also in TensorBoard, which draws the whole figure without trimming it."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(min(width, MAX_INCHES), min(height, MAX_INCHES)), layout="constrained")
+
+
+def save_figure(fig, path, writer=None, tag=None, step=0):
+    """Write ``fig`` as a PNG (atomically), and log it to TensorBoard if given a writer."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    write_bytes_atomic(buffer.getvalue(), path)
+    if writer is not None:
+        writer.add_figure(tag, fig, step, close=False)
+    return path
+
+
+def _class_ticks(axis, classes, rotate=False):
+    """Class names as the tick labels of ``axis`` (ax.xaxis or ax.yaxis), unless there are too many.
+    On the x axis, rotated names end at their tick; on the y axis names end left of the plot."""
+    if len(classes) > MAX_LABELLED_CLASSES:
+        return
+    axis.set_ticks(range(len(classes)))
+    if axis.axis_name == "y":
+        axis.set_ticklabels(classes)  # right-aligned at the tick, left of the axes (matplotlib's default)
+    else:
+        axis.set_ticklabels(classes, rotation=45 if rotate else 0, ha="right" if rotate else "center",
+                            rotation_mode="anchor" if rotate else "default")
+
+
+def plot_class_distribution(split):
+    """Bar chart of the images per class in the training and validation splits."""
+    fig = _figure(max(6, 0.8 * len(split.classes)), 4)
+    ax = fig.subplots()
+    train = [split.train_images_label.count(i) for i in range(len(split.classes))]
+    val = [split.val_images_label.count(i) for i in range(len(split.classes))]
+    x = range(len(split.classes))
+    for offset, counts, name in ((-0.2, train, "train"), (0.2, val, "val")):
+        bars = ax.bar([i + offset for i in x], counts, width=0.4, label=f"{name} ({sum(counts)})")
+        if len(split.classes) <= MAX_LABELLED_CLASSES:
+            ax.bar_label(bars, fontsize=8)
+    _class_ticks(ax.xaxis, split.classes, rotate=len(split.classes) > 6 or max(map(len, split.classes)) > 10)
+    ax.set_ylabel("images")
+    ax.set_title("images per class")
+    ax.legend()
+    return fig
+
+
+def plot_batch_preview(images, labels, classes):
+    """A grid of augmented training images (uint8, as the loader gives them) with class names."""
+    n = len(images)
+    cols = min(8, n)
+    rows = (n + cols - 1) // cols
+    fig = _figure(1.6 * cols, 1.8 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, label in zip(axes.flat, images, labels):
+        ax.imshow(image.permute(1, 2, 0).numpy())
+        ax.set_title(classes[int(label)], fontsize=8)
+    fig.suptitle("a training batch after augmentation")
+    return fig
+
+
+def plot_training_curves(rows):
+    """Loss, validation accuracy and learning rate per epoch, from metrics.csv's rows."""
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [int(r["epoch"]) for r in rows]
+    fig = _figure(12, 3.4)
+    for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", "val_accuracy", "lr"),
+                              ("training loss", "validation accuracy", "learning rate")):
+        ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
+    """Counts of true class (rows) against predicted class (columns); confusion_matrix.csv
+    holds the exact numbers when there are too many classes to write them in."""
+    size = max(4, 0.6 * len(classes) + 2)
+    fig = _figure(size, size)
+    ax = fig.subplots()
+    ax.imshow(confusion.numpy(), cmap="Blues")
+    _class_ticks(ax.xaxis, classes, rotate=True)
+    _class_ticks(ax.yaxis, classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    peak = int(confusion.max()) if confusion.numel() else 0
+    if len(classes) <= 30:
+        for i in range(len(classes)):
+            for j in range(len(classes)):
+                value = int(confusion[i, j])
+                ax.text(j, i, value, ha="center", va="center", fontsize=8,
+                        color="white" if value > peak / 2 else "black")
+    accuracy = confusion.diag().sum() / max(1, int(confusion.sum()))
+    ax.set_title(f"{title} (accuracy {accuracy:.4f})")
+    return fig
+
+
+def confusion_matrix_csv(confusion, classes):
+    """The confusion matrix as CSV text: a header of predicted classes, a row per true class."""
+    lines = ["true/predicted," + ",".join(classes)]
+    lines += [name + "," + ",".join(str(int(v)) for v in confusion[i]) for i, name in enumerate(classes)]
+    return "\n".join(lines) + "\n"
+
+
+def save_confusion_matrix(confusion, classes, folder, title, writer=None, step=0):
+    """confusion_matrix.png and confusion_matrix.csv in ``folder`` (and the picture in TensorBoard)."""
+    os.makedirs(folder, exist_ok=True)
+    save_figure(plot_confusion_matrix(confusion, classes, title), os.path.join(folder, PLOT_FILES["confusion_matrix"]),
+                writer, "summary/confusion_matrix", step)
+    write_text_atomic(confusion_matrix_csv(confusion, classes), os.path.join(folder, "confusion_matrix.csv"))
+
+
+def main(argv=None):
+    """``python -m multi_train_utils.pictures RUN_DIR``: draw curves.png of a finished (or running) run."""
+    parser = argparse.ArgumentParser(prog="python -m multi_train_utils.pictures", description="Draw curves.png (loss, accuracy, lr per epoch) of a run from its "
+                                     "metrics.csv, finished or not.")
+    parser.add_argument("run_dir", help="the run's --output-dir (default weights)", nargs="?", default="weights")
+    args = parser.parse_args(argv)
+    rows = read_metrics(args.run_dir)
+    if not rows:
+        raise UserError(f"{args.run_dir}/metrics.csv has no epochs yet")
+    path = save_figure(plot_training_curves(rows), os.path.join(args.run_dir, PLOT_FILES["curves"]))
+    print(f"wrote {path} ({len(rows)} epochs)")
+
+
+if __name__ == "__main__":
+    run_cli(main)

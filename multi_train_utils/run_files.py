@@ -1,0 +1,157 @@
+"""A run's files in --output-dir: their names, and the one reader and writer of each.
+
+args.json, class_indices.json and metrics.csv; the guard against overwriting an earlier
+run; and the trained model of a run (its weights with those files) for predict and export."""
+import csv
+import glob
+import json
+import os
+import re
+
+from model import create_model, load_exact_weights, load_state_dict_file
+from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
+from multi_train_utils.errors import UserError
+from multi_train_utils.files import read_json, write_json_atomic, write_text_atomic
+
+ARGS_FILE = "args.json"
+CLASSES_FILE = "class_indices.json"
+METRICS_FILE = "metrics.csv"
+METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
+RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, "model-best.pth", METRICS_FILE, ARGS_FILE, CLASSES_FILE,
+             "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png", "curves.png",
+             "confusion_matrix.png")
+
+
+# --- An earlier run in --output-dir ---------------------------------------------------------------
+
+def earlier_run_files(output_dir):
+    """Files in ``output_dir`` that an earlier training run wrote (checkpoints and metrics)."""
+    found = sorted(glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")))
+    found += [os.path.join(output_dir, f) for f in RUN_FILES
+              if os.path.isfile(os.path.join(output_dir, f)) and os.path.join(output_dir, f) not in found]
+    return found
+
+
+def check_output_dir(output_dir, overwrite, resume_path=None):
+    """Refuse to start over an earlier run's checkpoints, unless --overwrite is given or this
+    run resumes from the checkpoint in that very folder."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
+    resuming_here = resumes_in(resume_path, output_dir)
+    earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
+    if earlier and not overwrite and not resuming_here:
+        names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        raise UserError(
+            f"--output-dir {output_dir}: holds checkpoints of an earlier run ({names}); "
+            "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
+        )
+
+
+def clear_earlier_run(args, checkpoint):
+    """Make --output-dir ready for this run: remove the temporary files of writes that a killed
+    process never finished, and, when this run starts afresh (--overwrite, or --resume auto
+    with nothing to resume), the files of an earlier run there. Other files are left alone."""
+    os.makedirs(args.output_dir, exist_ok=True)
+    for path in glob.glob(os.path.join(glob.escape(args.output_dir), ".*.tmp")):
+        os.remove(path)
+    if checkpoint is None and (args.overwrite or args.resume == "auto"):
+        for path in earlier_run_files(args.output_dir):
+            os.remove(path)
+
+
+def model_epoch_files(output_dir):
+    """``{epoch: path}`` of the per-epoch weights in ``output_dir``."""
+    files = {}
+    for path in glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")):
+        match = re.fullmatch(r"model-(\d+)\.pth", os.path.basename(path))
+        if match:
+            files[int(match.group(1))] = path
+    return files
+
+
+# --- args.json and class_indices.json -------------------------------------------------------------
+
+def args_to_dict(args):
+    """The flags as JSON-friendly values (for args.json); data paths made absolute so that
+    --eval-only finds them from any folder."""
+    values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    for key in ("data_path", "val_path"):
+        if values.get(key):
+            values[key] = os.path.abspath(values[key])
+    return values
+
+
+def write_run_settings(output_dir, args, classes):
+    """args.json (every flag of the run) and class_indices.json ({"0": "daisy", ...}), atomically."""
+    write_json_atomic(args_to_dict(args), os.path.join(output_dir, ARGS_FILE))
+    write_json_atomic({str(i): name for i, name in enumerate(classes)}, os.path.join(output_dir, CLASSES_FILE))
+
+
+def read_run_args(run_dir, hint="fix or delete it"):
+    """The flags in ``run_dir``'s args.json, or None if there is none."""
+    path = os.path.join(run_dir, ARGS_FILE)
+    return read_json(path, hint) if os.path.isfile(path) else None
+
+
+def read_class_indices(path):
+    """Class names, in index order, from a ``class_indices.json`` file; a UserError if it is not one."""
+    try:
+        with open(path) as f:
+            mapping = json.load(f)
+        return [mapping[str(i)] for i in range(len(mapping))]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a readable class index file ({{\"0\": \"daisy\", ...}}): {e}") from None
+
+
+def read_run_classes(run_dir):
+    """The class names in ``run_dir``'s class_indices.json, or None if there is none."""
+    path = os.path.join(run_dir, CLASSES_FILE)
+    return read_class_indices(path) if os.path.isfile(path) else None
+
+
+# --- metrics.csv ----------------------------------------------------------------------------------
+
+def write_metrics(output_dir, rows):
+    """metrics.csv: the header, then one row (a list of values) per epoch, atomically."""
+    lines = [",".join(METRICS_HEADER)] + [",".join(str(v) for v in row) for row in rows]
+    write_text_atomic("\n".join(lines) + "\n", os.path.join(output_dir, METRICS_FILE))
+
+
+def read_metrics(run_dir):
+    """metrics.csv of a run as a list of dicts."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    try:
+        with open(path) as f:
+            return list(csv.DictReader(f))
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e.strerror}); is {run_dir} a run's --output-dir?") from None
+
+
+# --- The trained model of a run (predict.py, export.py) -------------------------------------------
+
+def read_run_settings(weights, model=None, img_size=None, class_indices=None):
+    """(model name, image size, class names) of the run that wrote ``weights``: the given
+    values first, else its args.json and class_indices.json beside the weights."""
+    if not os.path.isfile(weights):
+        raise UserError(f"--weights {weights}: no such file (e.g. weights/model-best.pth of a finished run)")
+    run_dir = os.path.dirname(os.path.abspath(weights))
+    run_args = {}
+    if not (model and img_size):
+        run_args = read_run_args(run_dir, hint="give --model and --img-size") or {}
+    model = model or run_args.get("model")
+    img_size = img_size or run_args.get("img_size")
+    if not model or not img_size:
+        raise UserError(f"no args.json beside {weights}: give --model and --img-size as in training")
+    classes_file = class_indices or os.path.join(run_dir, CLASSES_FILE)
+    if not os.path.isfile(classes_file):
+        raise UserError(f"{classes_file}: not found; give --class-indices (the run's class_indices.json)")
+    return model, int(img_size), read_class_indices(classes_file)
+
+
+def load_trained_model(args):
+    """The trained model of --weights in eval mode, loaded strictly, with its image size and
+    class names (from the run's args.json and class_indices.json unless given)."""
+    name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
+    model = create_model(name, len(classes))
+    load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
+    return model.eval(), name, img_size, classes

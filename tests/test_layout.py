@@ -1,0 +1,136 @@
+"""The shape of the code, read with ``ast``: imports go one way, without circles.
+
+Entry scripts -> the recipe's steps (multi_train_utils/) -> model.py, my_dataset.py, utils.py
+-> base modules (errors, file writing, the image pipeline, signals, train.log). A module may
+import from its own layer or the ones below, never above; no project import hides inside a
+function; every module opens with a one-line docstring; utils.py stays small; and the two
+training scripts share no run of 5 identical lines (what they share lives in a module).
+"""
+import ast
+import os
+
+from conftest import REPO
+
+ENTRY_SCRIPTS = {"train_single", "train_multi_gpu", "predict", "export", "benchmark"}
+SHARED = {"model", "my_dataset", "utils"}
+BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.files", "multi_train_utils.images",
+        "multi_train_utils.signals", "multi_train_utils.run_log"}
+ENTRY, STEPS, SHARED_LAYER, BASE_LAYER = 3, 2, 1, 0
+
+
+def project_modules():
+    """{module name: path} of the project's own Python files (tests left out)."""
+    modules = {}
+    for name in os.listdir(REPO):
+        if name.endswith(".py"):
+            modules[name[:-3]] = os.path.join(REPO, name)
+    package = os.path.join(REPO, "multi_train_utils")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            module = "multi_train_utils" if name == "__init__.py" else f"multi_train_utils.{name[:-3]}"
+            modules[module] = os.path.join(package, name)
+    return modules
+
+
+def layer_of(module):
+    if module in ENTRY_SCRIPTS:
+        return ENTRY
+    if module in SHARED:
+        return SHARED_LAYER
+    if module in BASE:
+        return BASE_LAYER
+    assert module.startswith("multi_train_utils."), f"{module}.py: a new top-level module; give it a layer here"
+    return STEPS
+
+
+def project_imports(module, path, modules):
+    """[(imported module, line, inside a function)] of ``module``, the file at ``path``."""
+    found = []
+    package = module if module == "multi_train_utils" else module.rpartition(".")[0]
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            names = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                # relative imports: "from .pictures import x" in multi_train_utils/
+                base = (child.module or "") if child.level == 0 else ".".join(
+                    filter(None, [package.rsplit(".", child.level - 1)[0] if package else "", child.module]))
+                # "from multi_train_utils import pictures" imports the module pictures
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names]
+            found.extend((name, child.lineno, inside) for name in names if name in modules)
+            visit(child, inside)
+
+    with open(path) as f:
+        visit(ast.parse(f.read()), False)
+    return found
+
+
+def import_graph():
+    modules = project_modules()
+    return modules, {name: project_imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_imports_go_one_way_and_none_hides_in_a_function():
+    modules, graph = import_graph()
+    assert {"train_single", "train_multi_gpu", "model", "utils", "multi_train_utils.train_eval_utils"} <= set(modules)
+    problems = []
+    for module, imports in graph.items():
+        for target, line, in_function in imports:
+            where = f"{os.path.relpath(modules[module], REPO)}:{line}"
+            if in_function:
+                problems.append(f"{where}: imports {target} inside a function")
+            if layer_of(target) > layer_of(module):
+                problems.append(f"{where}: {module} (layer {layer_of(module)}) imports {target} "
+                                f"(layer {layer_of(target)}), a layer above it")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_import_graph_has_no_circles():
+    _, graph = import_graph()
+    edges = {module: sorted({target for target, _, _ in imports}) for module, imports in graph.items()}
+    state, path = {}, []
+
+    def visit(module):  # depth-first; a module met again while still open closes a circle
+        state[module] = "open"
+        path.append(module)
+        for target in edges[module]:
+            if state.get(target) == "open":
+                circle = path[path.index(target):] + [target]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+
+
+def test_every_module_opens_with_a_one_line_docstring():
+    for module, path in project_modules().items():
+        with open(path) as f:
+            docstring = ast.get_docstring(ast.parse(f.read()))
+        assert docstring, f"{module}: no module docstring"
+        summary = docstring.split("\n\n")[0]
+        assert "\n" not in summary and summary.endswith((".", ":")), \
+            f"{module}: the docstring's first paragraph is not one line: {summary!r}"
+
+
+def test_utils_stays_small():
+    with open(os.path.join(REPO, "utils.py")) as f:
+        assert len(f.readlines()) < 300
+
+
+def test_the_training_scripts_share_no_five_identical_lines():
+    def lines(name):  # stripped, without blank lines and imports
+        with open(os.path.join(REPO, name)) as f:
+            return [line.strip() for line in f if line.strip() and not line.strip().startswith(("from ", "import "))]
+
+    single, multi = lines("train_single.py"), lines("train_multi_gpu.py")
+    runs = {tuple(single[i:i + 5]) for i in range(len(single) - 4)}
+    shared = [multi[i:i + 5] for i in range(len(multi) - 4) if tuple(multi[i:i + 5]) in runs]
+    assert not shared, f"train_single.py and train_multi_gpu.py share: {shared[0]}"
