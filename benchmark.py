@@ -41,8 +41,8 @@ from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
-from my_dataset import EpochIndexSampler, MyDataSet
-from utils import build_datasets, make_loader, read_split_data
+from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, build_datasets
+from utils import make_loader, read_split_data, stack_batch
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
@@ -162,7 +162,7 @@ def tutorial_loader(split, img_size, batch_size):
     dataset = TutorialDataSet(split.train_images_path, split.train_images_label, transform)
     workers = min(os.cpu_count(), batch_size if batch_size > 1 else 0, 8)  # the tutorial's formula
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers, drop_last=True,
-                      pin_memory=torch.cuda.is_available(), collate_fn=dataset.collate_fn)
+                      pin_memory=torch.cuda.is_available(), collate_fn=stack_batch)
 
 
 def tutorial_epoch(model, optimizer, data_loader, device):
@@ -303,7 +303,9 @@ def main(argv=None):
     data_path = prepare_data(args)
 
     split = read_split_data(data_path, val_rate=0.1, seed=0)
-    train_set, _ = build_datasets(split, args.img_size, seed=0)
+    data = build_datasets(argparse.Namespace(train_list=None, data_path=data_path, val_path=None, val_rate=0.1, seed=0,
+                                             img_size=args.img_size))  # the same split, the scripts' datasets
+    train_set = SeededSamples(data.train, seed=0)
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
     if len(batches) <= WARMUP_STEPS:

@@ -1,50 +1,121 @@
-"""The dataset of image files and the samplers that feed it."""
+"""The datasets to train on: ``build_datasets`` is the one function to edit for your own data.
+
+What both training scripts need from a dataset (the contract):
+
+- a map-style ``torch.utils.data.Dataset``: ``len(dataset)`` and ``dataset[i]``;
+- ``dataset[i]`` is ``(image, label)``: ``image`` a CHW tensor with 3 channels, either uint8
+  (0-255) or float in [0, 1], of the same size for every item (the transforms crop to
+  --img-size), and ``label`` an int in ``range(len(classes))``. Do not normalise: the loop
+  normalises with ImageNet's mean and std on the device;
+- optional, ``dataset.targets``: the label of every item, in order (torchvision's
+  ``ImageFolder`` has it). The start summary's images per class and class_distribution.png
+  use it; without it they show the totals only.
+
+Exact resume: the training loader asks each dataset item as ``(epoch, index)``, and
+``SeededSamples`` seeds torch's CPU generator and Python's ``random`` from (--seed, epoch,
+index) just for that item. Random transforms that draw from them (all of torchvision's do)
+then repeat exactly on a rerun or a resume, whichever loader worker or rank loads the item.
+NumPy's global generator is not seeded: a dataset that wants exact resume draws from torch
+or ``random`` instead.
+"""
+import random
+from typing import List, NamedTuple, Sequence
+
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from multi_train_utils.images import read_image_uint8
+from multi_train_utils.images import build_transforms, read_image_uint8, resize_size
+from utils import read_label_files, read_split_data
+
+
+class Datasets(NamedTuple):
+    """What ``build_datasets`` returns."""
+
+    train: Dataset
+    val: Dataset
+    classes: List[str]  # the name of each label, in label order
+    skipped: Sequence[str] = ()  # files left out because they cannot be opened (a warning each)
+
+
+def build_datasets(args):
+    """The training and validation datasets and the class names. Edit this for your own data.
+
+    Built in: the class folders of --data-path (split by --val-rate, or --val-path for the
+    validation images), or the CSV label files --train-list / --val-list; as ``MyDataSet``
+    with the transforms of ``multi_train_utils.images``. Any datasets that keep the contract
+    at the top of this file work in their place, for example torchvision's ImageFolder on
+    folders data/train and data/val (each with one sub-folder per class)::
+
+        train_tf, val_tf = build_transforms(args.img_size)  # on uint8 tensors
+        train = ImageFolder("data/train", transform=v2.Compose([v2.ToImage(), train_tf]))
+        val = ImageFolder("data/val", transform=v2.Compose([v2.ToImage(), val_tf]))
+        return Datasets(train, val, train.classes)
+    """
+    if args.train_list:
+        split = read_label_files(args.train_list, args.val_list, args.val_rate, args.seed)
+    else:
+        split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
+    train_transform, val_transform = build_transforms(args.img_size)
+    # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
+    # crops of a quarter of the image or more lose nothing), validation its resize size.
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * args.img_size)
+    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform,
+                    keep_side=resize_size(args.img_size))
+    return Datasets(train, val, split.classes, split.skipped)
 
 
 class MyDataSet(Dataset):
-    """Images and labels from lists of paths, as returned by ``utils.read_split_data``.
+    """Images and labels from lists of paths, as ``utils.read_split_data`` returns them.
 
     Items are (uint8 image tensor, label): the transforms augment uint8 tensors, and the
     training loop converts to float and normalises on the device (fewer bytes to copy).
     ``keep_side`` lets large JPEGs be decoded at reduced size (see ``images.read_image_uint8``).
-
-    An index may be an int, or an ``(epoch, index)`` pair from ``EpochIndexSampler``: then the
-    random augmentation of that sample is drawn from a generator seeded by
-    (seed, epoch, index). Augmentations then repeat exactly on a rerun or a resume, and do
-    not depend on which loader worker, or which rank, loads the sample.
     """
 
-    def __init__(self, images_path, images_class, transform=None, seed=0, keep_side=None):
+    def __init__(self, images_path, images_class, transform=None, keep_side=None):
         self.images_path = images_path
         self.images_class = images_class
         self.transform = transform
-        self.seed = seed
         self.keep_side = keep_side
+
+    @property
+    def targets(self):
+        """The label of every image (as torchvision's ImageFolder calls them)."""
+        return self.images_class
 
     def __len__(self):
         return len(self.images_path)
 
-    def __getitem__(self, item):
-        epoch, index = item if isinstance(item, tuple) else (None, item)
+    def __getitem__(self, index):
         img = read_image_uint8(self.images_path[index], self.keep_side)
-        label = self.images_class[index]
-        if self.transform is None:
-            return img, label
-        if epoch is None:
-            return self.transform(img), label
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))  # the CPU generator only
-            return self.transform(img), label
+        return (self.transform(img) if self.transform is not None else img), self.images_class[index]
 
-    @staticmethod
-    def collate_fn(batch):
-        """Stack images into one tensor and labels into another."""
-        images, labels = tuple(zip(*batch))
-        return torch.stack(images, dim=0), torch.as_tensor(labels)
+
+class SeededSamples(Dataset):
+    """``dataset`` whose items may be asked as ``(epoch, index)``: the item's random
+    augmentation is then drawn from torch's CPU generator and Python's ``random``, both
+    seeded by (seed, epoch, index) for that item alone (the global states are put back)."""
+
+    def __init__(self, dataset, seed=0):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, item):
+        if not isinstance(item, tuple):
+            return self.dataset[item]
+        epoch, index = item
+        python_state = random.getstate()
+        try:
+            with torch.random.fork_rng(devices=[]):  # the CPU generator only
+                seed = sample_seed(self.seed, epoch, index)
+                torch.default_generator.manual_seed(seed)
+                random.seed(seed)
+                return self.dataset[index]
+        finally:
+            random.setstate(python_state)
 
 
 def sample_seed(seed, epoch, index):
@@ -63,7 +134,7 @@ class EpochIndexSampler(Sampler):
     """Yields ``(epoch, index)`` pairs from a sampler that has ``.epoch`` (DistributedSampler).
 
     The epoch reaches the loader workers with each index, so even persistent workers draw
-    each epoch's augmentations afresh (see ``MyDataSet``).
+    each epoch's augmentations afresh (see ``SeededSamples``).
     """
 
     def __init__(self, sampler):

@@ -35,10 +35,10 @@ from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
-from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
+from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
                                                 optimizer_steps_per_epoch, train_one_epoch)
-from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, make_loader
+from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
+from utils import make_loader
 
 
 def main(argv=None):
@@ -47,7 +47,7 @@ def main(argv=None):
         return spawn_processes(args, argv)
     env = read_dist_env(args.local_rank)
     device = select_device(args.device, env.local_rank, env.local_world_size)
-    configure_cpu_threads(device, env.local_world_size)
+    configure_cpu_threads(device, env.local_world_size, args.threads)
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     is_main = env.rank == 0
@@ -57,14 +57,15 @@ def main(argv=None):
     # 1. Process group (none, and backend None, for a single process started without a launcher).
     backend = init_distributed_mode(args, env, device)
     try:
-        # Data, --weights, --resume, --output-dir: every rank checks the same input; if any rank
-        # finds a problem, all stop here, before anything is built or written.
-        split, weights_state, resume_path, checkpoint = check_on_every_rank(
-            lambda: read_inputs(args, env.local_rank, env.world_size, verbose=is_main), device)
+        # Data (my_dataset.build_datasets: edit it for your own), --weights, --resume, --output-dir:
+        # every rank checks the same input; if any rank finds a problem, all stop here, before
+        # anything is built or written.
+        data, weights_state, resume_path, checkpoint = check_on_every_rank(
+            lambda: read_inputs(args, build_datasets, env.local_rank, env.world_size, verbose=is_main), device)
         check_same_on_every_rank(-1 if checkpoint is None else int(checkpoint["epoch"]), device,
                                  "the checkpoint to resume from")
-        num_classes = len(split.classes)
-        train_set, val_set = build_datasets(split, args.img_size, args.seed)
+        num_classes = len(data.classes)
+        train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
 
         # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
         #    validation is sharded without padding so every image counts exactly once.
@@ -91,7 +92,7 @@ def main(argv=None):
         if args.eval_only:
             result = evaluate(model, val_loader, device, num_classes, settings)
             if is_main:
-                report_evaluation(result, split, args)  # and --eval-output's files
+                report_evaluation(result, data, args)  # and --eval-output's files
             return
 
         # 4. DDP: broadcasts rank 0's weights to every rank, then averages gradients in backward.
@@ -99,8 +100,7 @@ def main(argv=None):
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
         lr = args.lr * env.world_size if args.scale_lr else args.lr
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        optimizer = create_optimizer(model, lr, args)  # SGD; edit create_optimizer for your own
         scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
         start_epoch = restore_training_state(checkpoint, optimizer, lr, scaler)  # 0 for a fresh start
         lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
@@ -109,12 +109,12 @@ def main(argv=None):
         if is_main:  # only rank 0 writes (see 7.)
             clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
             set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
-        recorder = RunRecorder(args=args, classes=split.classes, world_size=env.world_size, enabled=is_main,
+        recorder = RunRecorder(args=args, classes=data.classes, world_size=env.world_size, enabled=is_main,
                                checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
         if is_main:
-            print_start_summary(args, split, device, settings, model, lr, workers, recorder.log_dir,
+            print_start_summary(args, data, device, settings, model, lr, workers, recorder.log_dir,
                                 env.world_size, env.launcher, backend or "-")
-            recorder.plot_data(split, train_set)
+            recorder.plot_data(data, train_set)
         for epoch in range(start_epoch, args.epochs):
             start = time.perf_counter()
             seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
@@ -132,7 +132,7 @@ def main(argv=None):
 
 def spawn_processes(args, argv):
     """--spawn N: check the input, then start N local processes with torch.multiprocessing.spawn."""
-    load_data(args, world_size=args.spawn)  # bad input fails here, once, before any process starts
+    load_data(args, build_datasets, world_size=args.spawn)  # bad input fails here, once, before any process starts
     argv = sys.argv[1:] if argv is None else argv
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

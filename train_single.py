@@ -22,25 +22,26 @@ from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
-from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, evaluate,
+from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
                                                 optimizer_steps_per_epoch, train_one_epoch)
-from my_dataset import EpochIndexSampler, ShardSampler, seed_epoch
-from utils import build_datasets, make_loader
+from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
+from utils import make_loader
 
 
 def main(argv=None):
     run_log = RunLog()  # what this process prints goes to train.log too, once the output dir is checked
     args = parse_args(get_args_parser(distributed=False), argv)
     device = select_device(args.device)
-    configure_cpu_threads(device)
+    configure_cpu_threads(device, threads=args.threads)
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
 
-    # Data, --weights, --resume, --output-dir: all checked before anything is built or written.
-    split, weights_state, resume_path, checkpoint = read_inputs(args)
-    num_classes = len(split.classes)
-    train_set, val_set = build_datasets(split, args.img_size, args.seed)
+    # Data (my_dataset.build_datasets: edit it for your own), --weights, --resume, --output-dir:
+    # all checked before anything is built or written.
+    data, weights_state, resume_path, checkpoint = read_inputs(args, build_datasets)
+    num_classes = len(data.classes)
+    train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
     # and the same on every rerun (or resume) with this --seed.
@@ -62,11 +63,10 @@ def main(argv=None):
     settings = LoopSettings.from_args(args, precision, channels_last)
 
     if args.eval_only:
-        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), split, args)
+        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args)
         return
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    optimizer = create_optimizer(model, args.lr, args)  # SGD; edit create_optimizer for your own
     scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
     start_epoch = restore_training_state(checkpoint, optimizer, args.lr, scaler)  # 0 for a fresh start
     lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
@@ -74,10 +74,10 @@ def main(argv=None):
 
     clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
     set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
-    recorder = RunRecorder(args=args, classes=split.classes, checkpoint=checkpoint, resume_path=resume_path,
+    recorder = RunRecorder(args=args, classes=data.classes, checkpoint=checkpoint, resume_path=resume_path,
                            run_log=run_log)
-    print_start_summary(args, split, device, settings, model, args.lr, workers, recorder.log_dir)
-    recorder.plot_data(split, train_set)  # class_distribution.png, batch_preview.png
+    print_start_summary(args, data, device, settings, model, args.lr, workers, recorder.log_dir)
+    recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     for epoch in range(start_epoch, args.epochs):
         start = time.perf_counter()
         seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume

@@ -1,6 +1,9 @@
-"""Data helpers: class folders, their train/val split, and the datasets and loaders built on it.
+"""Data helpers: class folders or CSV label files, their train/val split, and the loader.
 
-The transforms come from ``multi_train_utils.images`` (``build_transforms`` is re-exported)."""
+The transforms come from ``multi_train_utils.images`` (``build_transforms`` is re-exported),
+the datasets from ``my_dataset.build_datasets``.
+"""
+import csv
 import os
 import random
 from typing import List, NamedTuple
@@ -10,9 +13,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from multi_train_utils.errors import UserError
-from multi_train_utils.images import build_transforms, resize_size
+from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported: the tutorial's place)
 from multi_train_utils.signals import reset_in_worker
-from my_dataset import MyDataSet
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 # The tutorial's data: 5 class folders, 3670 JPEGs (--download fetches and checks it).
@@ -110,28 +112,8 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
         val_images, val_labels, val_skipped = _scan_class_folders(val_root, classes, "--val-path")
         skipped += val_skipped
     else:
-        if not 0.0 <= val_rate < 1.0:
-            raise UserError(f"--val-rate {val_rate}: must be at least 0 and below 1 (e.g. 0.2)")
         images, labels, skipped = _scan_class_folders(root, classes, "--data-path")
-        rng = random.Random(seed)
-        train_images, train_labels, val_images, val_labels = [], [], [], []
-        for label in range(len(classes)):
-            members = [p for p, y in zip(images, labels) if y == label]
-            rng.shuffle(members)
-            n_val = int(round(len(members) * val_rate))
-            if n_val and n_val == len(members):
-                raise UserError(
-                    f"--val-rate {val_rate}: class {classes[label]!r} has only {len(members)} image(s), all of "
-                    "them would go to validation; lower --val-rate or add images"
-                )
-            val_set = set(members[:n_val])
-            for path in sorted(members):
-                if path in val_set:
-                    val_images.append(path)
-                    val_labels.append(label)
-                else:
-                    train_images.append(path)
-                    train_labels.append(label)
+        train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
     if len(classes) < 2:
         raise UserError(f"--data-path {root}: found 1 class folder ({classes[0]}); a classifier needs at least 2")
     if not val_images:
@@ -144,6 +126,121 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
     return DataSplit(train_images, train_labels, val_images, val_labels, classes, skipped)
 
 
+def split_by_class(images, labels, classes, val_rate, seed):
+    """(train images, train labels, val images, val labels): ``round(n * val_rate)`` images of
+    each class to val, chosen by ``random.Random(seed)`` among the sorted paths."""
+    if not 0.0 <= val_rate < 1.0:
+        raise UserError(f"--val-rate {val_rate}: must be at least 0 and below 1 (e.g. 0.2)")
+    rng = random.Random(seed)
+    train_images, train_labels, val_images, val_labels = [], [], [], []
+    for label in range(len(classes)):
+        members = [p for p, y in zip(images, labels) if y == label]
+        rng.shuffle(members)
+        n_val = int(round(len(members) * val_rate))
+        if n_val and n_val == len(members):
+            raise UserError(
+                f"--val-rate {val_rate}: class {classes[label]!r} has only {len(members)} image(s), all of "
+                "them would go to validation; lower --val-rate or add images"
+            )
+        val_set = set(members[:n_val])
+        for path in sorted(members):
+            if path in val_set:
+                val_images.append(path)
+                val_labels.append(label)
+            else:
+                train_images.append(path)
+                train_labels.append(label)
+    return train_images, train_labels, val_images, val_labels
+
+
+def _read_label_file(path, flag):
+    """[(image path, class name, line number)] of a CSV with a header ``path,label``; image
+    paths relative to the CSV's folder. A missing CSV, a wrong header or row, and a listed
+    file that does not exist are errors naming the line."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path}: no such file; give a CSV file with the header path,label")
+    folder = os.path.dirname(os.path.abspath(path))
+    rows = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = [h.strip() for h in next(reader, [])]
+            if header != ["path", "label"]:
+                raise UserError(f"{flag} {path}: the first line must be the header path,label "
+                                f"(found {','.join(header) or 'an empty file'})")
+            for row in reader:
+                if not any(field.strip() for field in row):
+                    continue  # a blank line
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
+                    raise UserError(f"{flag} {path}, line {reader.line_num}: expected path,label; "
+                                    f"found {','.join(row)!r}")
+                image = os.path.join(folder, row[0].strip())
+                if not os.path.isfile(image):
+                    raise UserError(f"{flag} {path}, line {reader.line_num}: {image}: no such file; fix the "
+                                    "path (relative to the CSV's folder) or remove the line")
+                rows.append((image, row[1].strip(), reader.line_num))
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{flag} {path}: not a readable CSV file ({e})") from None
+    if not rows:
+        raise UserError(f"{flag} {path}: lists no images; add lines path,label")
+    return rows
+
+
+def _readable_rows(rows, classes, path, flag):
+    """Images and labels of the rows whose file opens as an image, and the skipped files."""
+    images, labels, skipped = [], [], []
+    for image, name, line in rows:
+        if name not in classes:
+            raise UserError(f"{flag} {path}, line {line}: class {name!r} is not one of the training classes "
+                            f"{classes}; fix the label or add the class to --train-list")
+        if is_readable_image(image):
+            images.append(image)
+            labels.append(classes.index(name))
+        else:
+            skipped.append(image)
+    return images, labels, skipped
+
+
+def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
+    """Images and labels listed in CSV files (header ``path,label``, the label a class name,
+    paths relative to the CSV), as ``read_split_data`` returns them for folders.
+
+    The classes are the sorted labels of ``train_list``. Without ``val_list`` the training
+    list is split as folders are (stratified, seeded). Listed files that PIL cannot open are
+    skipped (and listed in ``skipped``); a class of ``train_list`` left without images, a
+    class in ``val_list`` that ``train_list`` lacks, and a missing file are errors.
+    """
+    rows = _read_label_file(train_list, "--train-list")
+    classes = sorted({name for _, name, _ in rows})
+    if len(classes) < 2:
+        raise UserError(f"--train-list {train_list}: found 1 class ({classes[0]}); a classifier needs at least 2")
+    images, labels, skipped = _readable_rows(rows, classes, train_list, "--train-list")
+    for label, name in enumerate(classes):
+        if label not in labels:
+            raise UserError(f"--train-list {train_list}: class {name!r} has no readable images; "
+                            "add images or remove its lines")
+    if val_list is None:
+        train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
+    else:
+        train_images, train_labels = images, labels
+        val_images, val_labels, val_skipped = _readable_rows(_read_label_file(val_list, "--val-list"), classes,
+                                                             val_list, "--val-list")
+        skipped += val_skipped
+    if not val_images:
+        raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
+                        "raise --val-rate or give --val-list" if val_list is None else
+                        f"--val-list {val_list}: none of its images can be read")
+    if not train_images:
+        raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
+    return DataSplit(train_images, train_labels, val_images, val_labels, classes, skipped)
+
+
+def stack_batch(batch):
+    """The loaders' collate_fn: images stacked into one tensor, labels into another."""
+    images, labels = tuple(zip(*batch))
+    return torch.stack(images, dim=0), torch.as_tensor(labels)
+
+
 def make_loader(dataset, batch_sampler, workers, device):
     """A DataLoader over a batch sampler; workers stay alive between epochs."""
     return DataLoader(
@@ -152,21 +249,9 @@ def make_loader(dataset, batch_sampler, workers, device):
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
-        collate_fn=dataset.collate_fn,
+        collate_fn=stack_batch,
         worker_init_fn=reset_in_worker,
         # its own generator: creating the loader's iterator must not draw from the global
         # one, which seed_epoch sets for the model
         generator=torch.Generator().manual_seed(0),
     )
-
-
-def build_datasets(split, img_size, seed=0):
-    """Training and validation datasets with their transforms."""
-    train_transform, val_transform = build_transforms(img_size)
-    # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
-    # crops of a quarter of the image or more lose nothing), validation its resize size.
-    train_set = MyDataSet(split.train_images_path, split.train_images_label, train_transform, seed=seed,
-                          keep_side=2 * img_size)
-    val_set = MyDataSet(split.val_images_path, split.val_images_label, val_transform,
-                        keep_side=resize_size(img_size))
-    return train_set, val_set

@@ -158,9 +158,12 @@ def default_workers(local_world_size=1):
     return cores_per_process(local_world_size)
 
 
-def configure_cpu_threads(device, local_world_size=1):
-    """Give each local process its share of the cores, so N ranks on one CPU don't fight."""
-    if device.type == "cpu":
+def configure_cpu_threads(device, local_world_size=1, threads=None):
+    """``--threads`` if given; else, on a CPU, each local process gets its share of the cores,
+    so that N ranks on one CPU don't fight."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif device.type == "cpu":
         torch.set_num_threads(cores_per_process(local_world_size))
 
 

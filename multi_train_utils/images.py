@@ -102,20 +102,25 @@ def build_transforms(img_size):
 # --- On the device -------------------------------------------------------------------------------
 
 class DeviceNormalizer:
-    """uint8 image batches from the loader -> normalised float batches on the device.
+    """Image batches from the loader -> normalised float batches on the device.
 
-    Copying uint8 moves a quarter of the bytes of float32; the conversion runs on the device.
+    uint8 batches (0-255, the built-in dataset's) are converted on the device: copying uint8
+    moves a quarter of the bytes of float32. Float batches are taken to be in [0, 1].
     """
 
     def __init__(self, device, channels_last=False):
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        # (mean, 1 / std) of pixel values: 0-255 for uint8 images, 0-1 for float ones
+        self.uint8_constants = (mean * 255, 1 / (std * 255))
+        self.float_constants = (mean, 1 / std)
 
     def __call__(self, images, labels):
         return self.normalize(images), labels.to(self.device, non_blocking=True)
 
     def normalize(self, images):
         images = images.to(self.device, non_blocking=True).contiguous(memory_format=self.memory_format)
-        return (images.float() - self.mean) * self.inv_std
+        mean, inv_std = self.uint8_constants if images.dtype == torch.uint8 else self.float_constants
+        return (images.float() - mean) * inv_std

@@ -4,8 +4,11 @@ The data (made or downloaded first if asked, split, checked against the flags), 
 --resume and --output-dir.
 """
 import glob
+import numbers
 import os
 from typing import NamedTuple, Optional
+
+import torch
 
 from model import read_weights
 from multi_train_utils.checkpoint import check_resume_compatible, find_resume_checkpoint
@@ -13,26 +16,27 @@ from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker, download_flower_photos,
                                             make_demo_dataset, wait_for_folder)
 from multi_train_utils.run_files import check_output_dir, read_run_classes
-from utils import DataSplit, read_split_data
+from my_dataset import Datasets, MyDataSet
 
 
 class RunInputs(NamedTuple):
-    split: DataSplit
+    data: Datasets  # the training and validation datasets and the class names
     weights_state: Optional[dict]  # --weights, unless resuming
     resume_path: Optional[str]
     checkpoint: Optional[dict]  # the full checkpoint to resume from, or None for a fresh start
 
 
-def read_inputs(args, local_rank=0, world_size=1, verbose=True):
-    """Split the data, read --weights and --resume, check --output-dir: a UserError on bad input."""
+def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True):
+    """Build the datasets (``build_datasets(args)``, see my_dataset.py), read --weights and
+    --resume, check --output-dir: a UserError on bad input."""
     resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
     if not args.eval_only:  # before --download or --demo fetch or write anything
         check_output_dir(args.output_dir, args.overwrite, resume_path)
-    split = load_data(args, local_rank, world_size)
+    data = load_data(args, build_datasets, local_rank, world_size)
     if checkpoint is not None:
-        check_resume_compatible(checkpoint, resume_path, args, split.classes, args.epochs)
+        check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
     weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
-    return RunInputs(split, weights, resume_path, checkpoint)
+    return RunInputs(data, weights, resume_path, checkpoint)
 
 
 def resume_hint(args):
@@ -41,9 +45,9 @@ def resume_hint(args):
             "run the same command with --resume auto")
 
 
-def load_data(args, local_rank=0, world_size=1):
-    """Generate the demo data if asked, split the data and check it against the flags (and,
-    for --eval-only, against the classes of the run that wrote --weights).
+def load_data(args, build_datasets, local_rank=0, world_size=1):
+    """Generate or download the data if asked, build the datasets and check them against the
+    flags (and, for --eval-only, against the classes of the run that wrote --weights).
 
     Every rank runs this (it only reads), so every rank fails the same way on bad input.
     """
@@ -71,27 +75,54 @@ def load_data(args, local_rank=0, world_size=1):
                 raise
         else:
             wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
-    split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
-    found = len(split.classes)
+    data = build_datasets(args)
+    check_datasets(data)
+    found, where = len(data.classes), args.train_list or args.data_path
     if args.num_classes is not None and args.num_classes != found:
         raise UserError(
-            f"--num-classes {args.num_classes}: {args.data_path} has {found} class folders "
-            f"({', '.join(split.classes)}); drop the flag or fix the folders"
+            f"--num-classes {args.num_classes}: {where} has {found} {'classes' if args.train_list else 'class folders'} "
+            f"({', '.join(data.classes)}); drop the flag or fix the data"
         )
-    if expected_classes is not None and expected_classes != split.classes:
+    if expected_classes is not None and expected_classes != list(data.classes):
         raise UserError(
-            f"--data-path {args.data_path}: classes {split.classes} differ from the weights' class_indices.json "
-            f"{expected_classes}; evaluate on data with the same class folders"
+            f"{'--train-list' if args.train_list else '--data-path'} {where}: classes {list(data.classes)} differ from "
+            f"the weights' class_indices.json {expected_classes}; evaluate on data with the same classes"
         )
-    share = len(split.train_images_path) // world_size
+    share = len(data.train) // world_size
     if not args.eval_only and share == 0:
         raise UserError(
-            f"{world_size} processes but only {len(split.train_images_path)} training images; "
+            f"{world_size} processes but only {len(data.train)} training images; "
             "start fewer processes or add images"
         )
     if not args.eval_only and args.batch_size > share:
         raise UserError(
             f"--batch-size {args.batch_size}: each of the {world_size} process(es) gets only {share} of the "
-            f"{len(split.train_images_path)} training images; use --batch-size {max(1, share)} or less"
+            f"{len(data.train)} training images; use --batch-size {max(1, share)} or less"
         )
-    return split
+    return data
+
+
+def check_datasets(data):
+    """What my_dataset.py's contract asks of datasets, checked before training: each is not
+    empty, its labels fit the classes, and (for a dataset other than MyDataSet) its first item
+    is (image, label) with image a uint8 or float CHW tensor of 3 channels."""
+    for name, dataset in (("training", data.train), ("validation", data.val)):
+        if len(dataset) == 0:
+            raise UserError(f"my_dataset.build_datasets: the {name} dataset is empty")
+        targets = getattr(dataset, "targets", None)
+        if targets is not None and len(targets) and not 0 <= min(targets) <= max(targets) < len(data.classes):
+            raise UserError(f"my_dataset.build_datasets: the {name} dataset's labels run from {min(targets)} to "
+                            f"{max(targets)}, but there are {len(data.classes)} classes (labels 0 to "
+                            f"{len(data.classes) - 1})")
+        if isinstance(dataset, MyDataSet):
+            continue  # built in: its files were checked when they were listed
+        item = dataset[0]
+        image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+        if not (torch.is_tensor(image) and image.ndim == 3 and image.shape[0] == 3
+                and (image.dtype == torch.uint8 or image.is_floating_point())
+                and (isinstance(label, numbers.Integral) or torch.is_tensor(label) and label.numel() == 1)):
+            found = (f"{type(image).__name__} {tuple(image.shape)} {image.dtype}" if torch.is_tensor(image)
+                     else type(image).__name__)
+            raise UserError(f"my_dataset.build_datasets: the {name} dataset's items must be (image, label), image a "
+                            f"uint8 or float CHW tensor with 3 channels (e.g. v2.ToImage() in its transform), label an "
+                            f"int; its first image is a {found}")

@@ -13,7 +13,7 @@ from multi_train_utils.run_files import read_run_args
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "val_rate", "seed")
+RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "train_list", "val_list", "val_rate", "seed")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -27,7 +27,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to each flag's help unless the help already says its default."""
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or ""):
+        if "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -46,6 +46,8 @@ def get_args_parser(distributed):
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default="data/flower_photos", help="folder with one sub-folder of images per class")
     data.add_argument("--val-path", default=None, help="already-split validation folder (same class folders); then --data-path is all training data (default: split --data-path)")
+    data.add_argument("--train-list", default=None, metavar="CSV", help="instead of class folders: a CSV file with the header path,label (label: a class name; path: relative to the CSV); the classes are its labels (default: none, use --data-path)")
+    data.add_argument("--val-list", default=None, metavar="CSV", help="with --train-list: the validation images, as a CSV like it (default: split --train-list by --val-rate)")
     data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
@@ -80,13 +82,14 @@ def get_args_parser(distributed):
     speed.add_argument("--print-freq", type=int, default=20, metavar="N", help="update the progress bar's loss every N steps (reading the loss waits for the device)")
 
     run = parser.add_argument_group("run")
+    run.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads per process for torch (default: this process's share of the cores); fewer leave room for others on a shared machine")
     run.add_argument("--device", default="auto", help="auto (cuda if available, else mps, else cpu), cpu, cuda, cuda:N or mps")
     run.add_argument("--output-dir", default="weights", help="where model-{epoch}.pth, metrics.csv, args.json and class_indices.json go")
     run.add_argument("--log-dir", default="runs", help="TensorBoard logs go into a sub-folder named after the output dir and the start time")
     run.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True, help="draw class_distribution.png, batch_preview.png, curves.png and confusion_matrix.png (and log them to TensorBoard)")
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
     run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
-    run.add_argument("--keep-last", type=int, default=0, metavar="K", help="keep only the last K model-{epoch}.pth files (model-best.pth and checkpoint.pth always stay; default: 0, keep all)")
+    run.add_argument("--keep-last", type=int, default=1, metavar="K", help="keep the last K model-{epoch}.pth files; 0 keeps every epoch's (model-best.pth and checkpoint.pth always stay; default: 1, the last epoch's)")
     run.add_argument("--eval-only", action="store_true", help="only evaluate --weights (a model-*.pth or a checkpoint.pth) on the validation split and print per-class and top-1 accuracy; writes nothing unless --eval-output")
     run.add_argument("--eval-output", default=None, metavar="DIR", help="with --eval-only: write confusion_matrix.png and confusion_matrix.csv into DIR")
 
@@ -141,9 +144,9 @@ def take_run_settings(args, given):
     for key in RUN_SETTINGS:
         if key not in given and key in run_args:
             setattr(args, key, run_args[key])
-    for key in ("data_path", "val_path"):
-        path = getattr(args, key)
-        if key not in given and path and not os.path.isdir(path):
+    for key in ("data_path", "val_path", "train_list", "val_list"):
+        path = getattr(args, key, None)
+        if key not in given and path and not os.path.exists(path):
             raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
                             f"there any more; give --{key.replace('_', '-')}")
 
@@ -157,6 +160,9 @@ def check_numbers(args):
         raise UserError(f"--dist-timeout {args.dist_timeout}: must be at least 1 second")
     if args.keep_last < 0:
         raise UserError(f"--keep-last {args.keep_last}: must be 0 (keep all) or more")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads {args.threads}: must be at least 1")
+    check_data_flags(args)
     if args.eval_output and not args.eval_only:
         raise UserError("--eval-output is for --eval-only; a training run writes its confusion matrix to --output-dir")
     if args.eval_output and os.path.exists(args.eval_output) and not os.path.isdir(args.eval_output):
@@ -180,6 +186,17 @@ def check_numbers(args):
     for flag in ("lrf", "momentum", "weight_decay", "warmup_epochs"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
+
+
+def check_data_flags(args):
+    """Class folders (--data-path, --val-path) or label files (--train-list, --val-list): not both."""
+    if args.val_list and not args.train_list:
+        raise UserError("--val-list needs --train-list (the training images and their classes)")
+    if args.train_list and args.val_path:
+        raise UserError("--val-path is for class folders; with --train-list give the validation images as --val-list")
+    if args.train_list and (args.demo or args.download):
+        raise UserError(f"--train-list with --{'demo' if args.demo else 'download'}: those make class folders; "
+                        "drop one of them")
 
 
 def add_trained_model_flags(parser):

@@ -11,6 +11,8 @@ import argparse
 import io
 import os
 
+import torch
+
 from multi_train_utils.errors import UserError, run_cli
 from multi_train_utils.files import write_bytes_atomic, write_text_atomic
 from multi_train_utils.run_files import read_metrics
@@ -54,18 +56,16 @@ def _class_ticks(axis, classes, rotate=False):
                             rotation_mode="anchor" if rotate else "default")
 
 
-def plot_class_distribution(split):
-    """Bar chart of the images per class in the training and validation splits."""
-    fig = _figure(max(6, 0.8 * len(split.classes)), 4)
+def plot_class_distribution(classes, train, val):
+    """Bar chart of the images per class (``train``, ``val``: counts in class order)."""
+    fig = _figure(max(6, 0.8 * len(classes)), 4)
     ax = fig.subplots()
-    train = [split.train_images_label.count(i) for i in range(len(split.classes))]
-    val = [split.val_images_label.count(i) for i in range(len(split.classes))]
-    x = range(len(split.classes))
+    x = range(len(classes))
     for offset, counts, name in ((-0.2, train, "train"), (0.2, val, "val")):
         bars = ax.bar([i + offset for i in x], counts, width=0.4, label=f"{name} ({sum(counts)})")
-        if len(split.classes) <= MAX_LABELLED_CLASSES:
+        if len(classes) <= MAX_LABELLED_CLASSES:
             ax.bar_label(bars, fontsize=8)
-    _class_ticks(ax.xaxis, split.classes, rotate=len(split.classes) > 6 or max(map(len, split.classes)) > 10)
+    _class_ticks(ax.xaxis, classes, rotate=len(classes) > 6 or max(map(len, classes)) > 10)
     ax.set_ylabel("images")
     ax.set_title("images per class")
     ax.legend()
@@ -73,7 +73,8 @@ def plot_class_distribution(split):
 
 
 def plot_batch_preview(images, labels, classes):
-    """A grid of augmented training images (uint8, as the loader gives them) with class names."""
+    """A grid of augmented training images (uint8, or float in [0, 1], as the loader gives
+    them) with class names."""
     n = len(images)
     cols = min(8, n)
     rows = (n + cols - 1) // cols
@@ -82,7 +83,8 @@ def plot_batch_preview(images, labels, classes):
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, label in zip(axes.flat, images, labels):
-        ax.imshow(image.permute(1, 2, 0).numpy())
+        image = image.detach().cpu().permute(1, 2, 0)
+        ax.imshow(image.numpy() if image.dtype == torch.uint8 else image.float().clamp(0, 1).numpy())
         ax.set_title(classes[int(label)], fontsize=8)
     fig.suptitle("a training batch after augmentation")
     return fig

@@ -9,7 +9,7 @@ from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_cla
                                         save_confusion_matrix, save_figure)
 from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, model_epoch_files, write_metrics,
                                          write_run_settings)
-from multi_train_utils.summary import print_end_summary
+from multi_train_utils.summary import class_counts, print_end_summary
 
 
 class RunRecorder:
@@ -37,6 +37,7 @@ class RunRecorder:
         self.best_epoch = checkpoint.get("best_epoch", -1)
         self.best_confusion = checkpoint.get("best_confusion")
         self.started = time.perf_counter()
+        self.drawn = []  # the pictures plot_data drew
         self.run_log = run_log
         resuming_here = resumes_in(resume_path, self.output_dir)
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
@@ -63,8 +64,12 @@ class RunRecorder:
 
     def _report_resume(self, checkpoint, resume_path):
         epoch, world_size = int(checkpoint["epoch"]), self.world_size
-        print(f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}",
-              flush=True)
+        if epoch + 1 >= self.args.epochs:
+            print(f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
+                  "to train longer, run it again with a larger --epochs and --resume auto", flush=True)
+        else:
+            print(f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}",
+                  flush=True)
         if checkpoint.get("world_size", world_size) != world_size:
             print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
                   f"{world_size}: the learning rate is scaled anew and the data order differs", flush=True)
@@ -122,18 +127,23 @@ class RunRecorder:
                 if old_epoch <= epoch - keep:
                     os.remove(path)
 
-    def plot_data(self, split, train_set, count=16):
-        """class_distribution.png and batch_preview.png (augmented training images), also in
-        TensorBoard."""
+    def plot_data(self, data, train_set, count=16):
+        """class_distribution.png (for datasets with .targets) and batch_preview.png (augmented
+        training images, from ``train_set``, whose items may be asked as (epoch, index)), also
+        in TensorBoard."""
         if not self.enabled or not self.args.plots:
             return
-        save_figure(plot_class_distribution(split), self._plot_path("class_distribution"), self.writer,
-                    "data/class_distribution")
+        train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
+        if train is not None and val is not None:
+            save_figure(plot_class_distribution(data.classes, train, val), self._plot_path("class_distribution"),
+                        self.writer, "data/class_distribution")
+            self.drawn.append("class_distribution")
         step = max(1, len(train_set) // count)
         samples = [train_set[(0, i)] for i in range(0, len(train_set), step)][:count]
         images, labels = zip(*samples)
         save_figure(plot_batch_preview(images, labels, self.classes), self._plot_path("batch_preview"),
                     self.writer, "data/batch_preview")
+        self.drawn.append("batch_preview")
 
     def _plot_path(self, name):
         return os.path.join(self.output_dir, PLOT_FILES[name])
@@ -152,7 +162,7 @@ class RunRecorder:
         last = int(self.rows[-1][0]) if self.rows else 0
         rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
         save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
-        plots = ["class_distribution", "batch_preview", "curves"]
+        plots = self.drawn + ["curves"]
         if self.best_confusion is not None:
             save_confusion_matrix(self.best_confusion, self.classes, self.output_dir,
                                   f"best epoch {self.best_epoch}, validation", self.writer, last)

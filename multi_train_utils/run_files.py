@@ -75,7 +75,7 @@ def args_to_dict(args):
     """The flags as JSON-friendly values (for args.json); data paths made absolute so that
     --eval-only finds them from any folder."""
     values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
-    for key in ("data_path", "val_path"):
+    for key in ("data_path", "val_path", "train_list", "val_list"):
         if values.get(key):
             values[key] = os.path.abspath(values[key])
     return values

@@ -18,7 +18,7 @@ def describe_device(device):
     return str(device)
 
 
-def print_start_summary(args, split, device, settings, model, lr, workers, log_dir, world_size=1,
+def print_start_summary(args, data, device, settings, model, lr, workers, log_dir, world_size=1,
                         launcher="single process", backend="-"):
     """Devices, data, model, batch, learning rate and where everything goes."""
     print(RULE)
@@ -29,7 +29,7 @@ def print_start_summary(args, split, device, settings, model, lr, workers, log_d
     print(f"world size: {world_size} ({launcher}, backend {backend}), device: {where}")
     print(f"amp: {settings.precision.describe()}, channels_last: {'on' if settings.channels_last else 'off'}"
           + (", compiled" if args.compile else "") + (", grad-checkpoint" if args.grad_checkpoint else ""))
-    print_data_summary(args, split)
+    print_data_summary(args, data)
     trainable = count_parameters(model, trainable_only=True)
     total = count_parameters(model)
     print(f"model: {args.model} ({total:,} parameters"
@@ -64,18 +64,33 @@ def print_end_summary(output_dir, best_accuracy, best_epoch, seconds, plots):
     print(RULE, flush=True)
 
 
-def print_data_summary(args, split):
+def print_data_summary(args, data):
     """Rank 0's description of the data: images per class and split sizes, skipped files."""
-    if not args.demo and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
+    if not args.demo and not args.train_list and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
         print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
-    for path in split.skipped:
+    for path in data.skipped:
         print(f"warning: skipping {path}: not a readable image", flush=True)
-    counts = {name: 0 for name in split.classes}
-    for label in split.train_images_label + split.val_images_label:
-        counts[split.classes[label]] += 1
-    where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
-    print(f"data: {where}: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
-    print(f"split: {len(split.train_images_path)} train, {len(split.val_images_path)} val images", flush=True)
+    if args.train_list:
+        where = args.train_list + (f" + {args.val_list} (validation)" if args.val_list else "")
+    else:
+        where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
+    train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
+    if train is not None and val is not None:
+        print(f"data: {where}: " + ", ".join(f"{t + v} {c}" for c, t, v in zip(data.classes, train, val)))
+    else:
+        print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
+    print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
+
+
+def class_counts(dataset, classes):
+    """Images per class from ``dataset.targets``, or None if the dataset has none."""
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return None
+    counts = [0] * len(classes)
+    for label in targets:
+        counts[int(label)] += 1
+    return counts
 
 
 def print_evaluation(result, classes):
@@ -88,10 +103,10 @@ def print_evaluation(result, classes):
     print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
 
 
-def report_evaluation(result, split, args):
+def report_evaluation(result, data, args):
     """What --eval-only prints (data, per-class and top-1 accuracy) and, with --eval-output,
     writes (the confusion matrix as PNG and CSV). Rank 0 only."""
-    print_data_summary(args, split)
-    print_evaluation(result, split.classes)
+    print_data_summary(args, data)
+    print_evaluation(result, data.classes)
     if args.eval_output:
-        save_confusion_matrix(result.confusion, split.classes, args.eval_output, args.weights)
+        save_confusion_matrix(result.confusion, data.classes, args.eval_output, args.weights)

@@ -1,4 +1,4 @@
-"""The training and evaluation loops, and the learning-rate schedule."""
+"""The training and evaluation loops, with the loss, the optimizer and the learning-rate schedule."""
 import contextlib
 import math
 import sys
@@ -73,6 +73,18 @@ class EvalResult:
         return self.correct / max(1, self.total)
 
 
+def create_loss():
+    """The training loss. Edit here for your own (label smoothing, class weights, ...)."""
+    return nn.CrossEntropyLoss()
+
+
+def create_optimizer(model, lr, args):
+    """SGD with momentum and weight decay over the trainable parameters. Edit here for your
+    own optimizer (AdamW, ...); ``lr`` is --lr, scaled by the world size where asked."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
 def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1, start_epoch=0):
     """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine from lr down to
     lr * lrf at the end of the last epoch. It is a function of the fraction of training
@@ -110,7 +122,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     settings = settings or LoopSettings()
     scaler = scaler or settings.precision.grad_scaler()
     set_train_mode(model)
-    loss_function = nn.CrossEntropyLoss()
+    loss_function = create_loss()
     to_device = DeviceNormalizer(device, settings.channels_last)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = len(data_loader)

@@ -22,9 +22,9 @@ from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower  # noqa: E
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")  # a script's main() with probes patched in
-# Small and fast: a small ResNet on 32 px images, no pictures (single_run draws them); every
-# run also gets its own --log-dir.
-FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4", "--no-plots"]
+# Small and fast: a small ResNet on 32 px images, no pictures (single_run draws them), every
+# epoch's weights kept (tests compare them); every run also gets its own --log-dir.
+FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4", "--no-plots", "--keep-last", "0"]
 CLASSES = list(DEMO_CLASSES)
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCHELASTIC_RUN_ID", "GROUP_RANK")

@@ -120,6 +120,14 @@ def case_eval_only_on_data_of_other_classes(tmp, data):
             ["differ from the weights' class_indices.json ['cats', 'dogs']"])
 
 
+def case_label_file_with_an_unknown_class(tmp, data):
+    train = tmp / "train.csv"
+    train.write_text("path,label\n" + "".join(f"{data['train']}/{c}/{c}_000.jpg,{c}\n" for c in ("daisy", "roses")))
+    (tmp / "val.csv").write_text(f"path,label\n{data['val']}/tulips/tulips_000.jpg,tulips\n")
+    return (["--train-list", str(train), "--val-list", str(tmp / "val.csv")],
+            [f"--val-list {tmp / 'val.csv'}, line 2: class 'tulips' is not one of the training classes"])
+
+
 def case_unknown_model(tmp, data):
     return ["--data-path", data["train"], "--model", "resnet9000"], ["--model resnet9000", "resnet18"]
 

@@ -142,6 +142,8 @@ def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path):
         rows[amp] = read_metrics(str(out))
         assert len(rows[amp]) == 3
         assert float(rows[amp][-1]["val_accuracy"]) >= 0.8, rows[amp]
+        # --keep-last's default, 1: of the per-epoch weights only the last epoch's stay
+        assert sorted(p.name for p in out.glob("model-*.pth")) == ["model-2.pth", "model-best.pth"]
     bf16, fp32 = rows["bf16"][-1], rows["off"][-1]
     assert float(bf16["train_loss"]) == pytest.approx(float(fp32["train_loss"]), rel=0.1), rows
     assert abs(float(bf16["val_accuracy"]) - float(fp32["val_accuracy"])) <= 0.1 + 1e-9, rows

@@ -107,6 +107,9 @@ def test_device_normalizer_matches_torchvision_normalize():
     normalized, labels = DeviceNormalizer(CPU, channels_last=True)(images, torch.tensor([1, 2]))
     torch.testing.assert_close(normalized, expected, rtol=0, atol=1e-5)
     assert normalized.is_contiguous(memory_format=torch.channels_last) and labels.tolist() == [1, 2]
+    # float images in [0, 1] (a dataset of your own) are normalised alike
+    as_float, _ = DeviceNormalizer(CPU)(images.float() / 255, torch.tensor([1, 2]))
+    torch.testing.assert_close(as_float, expected, rtol=0, atol=1e-5)
 
 
 # --- The training loop -------------------------------------------------------------------------

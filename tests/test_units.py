@@ -30,7 +30,7 @@ def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny
 
 
 def test_every_image_mode_becomes_rgb(tiny_data):
-    from my_dataset import MyDataSet
+    from my_dataset import MyDataSet, SeededSamples
     from utils import build_transforms, read_split_data
 
     split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
@@ -38,7 +38,7 @@ def test_every_image_mode_becomes_rgb(tiny_data):
            if os.path.basename(p) in ("gray.PNG", "rgba.png", "palette.png", "cmyk.JPEG", "photo.webp", "bitmap.bmp")]
     assert len(odd) == 6
     train_tf, val_tf = build_transforms(40)
-    dataset = MyDataSet(split.train_images_path, split.train_images_label, train_tf, seed=0)
+    dataset = SeededSamples(MyDataSet(split.train_images_path, split.train_images_label, train_tf), seed=0)
     for i in odd:
         image, label = dataset[i]
         assert image.shape == (3, 40, 40) and image.dtype == torch.uint8  # normalised on the device
@@ -69,10 +69,13 @@ def epoch_images(train_set, seed, epochs, workers):
 def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
     """Image i gets another random crop in epoch 1 than in epoch 0 (persistent loader workers
     included), and the same crops again in a rerun with the same seed and other workers."""
-    from utils import build_datasets, read_split_data
+    from argparse import Namespace
 
-    split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
-    train_set, _ = build_datasets(split, img_size=24, seed=0)
+    from my_dataset import SeededSamples, build_datasets
+
+    data = build_datasets(Namespace(train_list=None, data_path=tiny_data["train"], val_path=tiny_data["val"],
+                                    val_rate=0.2, seed=0, img_size=24))
+    train_set = SeededSamples(data.train, seed=0)
     first = epoch_images(train_set, seed=0, epochs=(0, 1), workers=1)
     indices = sorted({index for _, index in first})
     assert len(indices) == 36
