@@ -41,7 +41,7 @@ from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
-from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, build_datasets
+from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, image_file_datasets
 from utils import make_loader, read_split_data, stack_batch
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -303,9 +303,7 @@ def main(argv=None):
     data_path = prepare_data(args)
 
     split = read_split_data(data_path, val_rate=0.1, seed=0)
-    data = build_datasets(argparse.Namespace(train_list=None, data_path=data_path, val_path=None, val_rate=0.1, seed=0,
-                                             img_size=args.img_size))  # the same split, the scripts' datasets
-    train_set = SeededSamples(data.train, seed=0)
+    train_set = SeededSamples(image_file_datasets(split, args.img_size).train, seed=0)  # the built-in pipeline
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
     if len(batches) <= WARMUP_STEPS:

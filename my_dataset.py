@@ -46,21 +46,30 @@ def build_datasets(args):
     at the top of this file work in their place, for example torchvision's ImageFolder on
     folders data/train and data/val (each with one sub-folder per class)::
 
+        from torchvision.datasets import ImageFolder
+        from torchvision.transforms import v2
+
         train_tf, val_tf = build_transforms(args.img_size)  # on uint8 tensors
         train = ImageFolder("data/train", transform=v2.Compose([v2.ToImage(), train_tf]))
         val = ImageFolder("data/val", transform=v2.Compose([v2.ToImage(), val_tf]))
-        return Datasets(train, val, train.classes)
+        return Datasets(train, val, train.classes)  # val.classes must be the same
+
+    Errors a user can fix (a missing folder, a bad file) should be ``UserError``s: one line.
     """
     if args.train_list:
         split = read_label_files(args.train_list, args.val_list, args.val_rate, args.seed)
     else:
         split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
-    train_transform, val_transform = build_transforms(args.img_size)
+    return image_file_datasets(split, args.img_size)
+
+
+def image_file_datasets(split, img_size):
+    """The built-in datasets of a split (lists of image files and labels) at ``img_size``."""
+    train_transform, val_transform = build_transforms(img_size)
     # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
     # crops of a quarter of the image or more lose nothing), validation its resize size.
-    train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * args.img_size)
-    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform,
-                    keep_side=resize_size(args.img_size))
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size)
+    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=resize_size(img_size))
     return Datasets(train, val, split.classes, split.skipped)
 
 

@@ -1,7 +1,7 @@
 """Predict the class of an image, or of every image in a folder, with trained weights.
 
     python predict.py --weights weights/model-best.pth --image my_photo.jpg
-    python predict.py --weights weights/model-best.pth --image photos/ --output predictions.csv
+    python predict.py --weights weights/model-best.pth --image data/demo/ --output runs/predictions.csv
 
 The model name and image size come from the run's args.json beside the weights, the class
 names from its class_indices.json (or from --model, --img-size, --class-indices).

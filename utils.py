@@ -160,7 +160,7 @@ def _read_label_file(path, flag):
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file; give a CSV file with the header path,label")
     folder = os.path.dirname(os.path.abspath(path))
-    rows = []
+    rows, seen = [], {}
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
@@ -174,7 +174,11 @@ def _read_label_file(path, flag):
                 if len(row) != 2 or not row[0].strip() or not row[1].strip():
                     raise UserError(f"{flag} {path}, line {reader.line_num}: expected path,label; "
                                     f"found {','.join(row)!r}")
-                image = os.path.join(folder, row[0].strip())
+                image = os.path.normpath(os.path.join(folder, row[0].strip()))
+                if image in seen:
+                    raise UserError(f"{flag} {path}, line {reader.line_num}: {image} is listed already on line "
+                                    f"{seen[image]}; list each image once")
+                seen[image] = reader.line_num
                 if not os.path.isfile(image):
                     raise UserError(f"{flag} {path}, line {reader.line_num}: {image}: no such file; fix the "
                                     "path (relative to the CSV's folder) or remove the line")
@@ -223,8 +227,13 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
         train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
     else:
         train_images, train_labels = images, labels
-        val_images, val_labels, val_skipped = _readable_rows(_read_label_file(val_list, "--val-list"), classes,
-                                                             val_list, "--val-list")
+        val_rows = _read_label_file(val_list, "--val-list")
+        in_train = {image: line for image, _, line in rows}
+        for image, _, line in val_rows:
+            if image in in_train:
+                raise UserError(f"--val-list {val_list}, line {line}: {image} is in --train-list too (line "
+                                f"{in_train[image]}); validate on images the model does not train on")
+        val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list")
         skipped += val_skipped
     if not val_images:
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "

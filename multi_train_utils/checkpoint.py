@@ -106,7 +106,7 @@ def set_aside_damaged_checkpoint(output_dir, resume_path):
 
 def check_resume_compatible(checkpoint, path, args, classes, epochs):
     """The checkpoint must be of the same classes, model and frozen layers."""
-    if checkpoint["classes"] != classes:
+    if list(checkpoint["classes"]) != list(classes):
         raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
                         f"{classes}; resume with the same class folders or start a new --output-dir")
     for flag in ("model", "freeze_layers"):

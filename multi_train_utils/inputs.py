@@ -75,7 +75,10 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
                 raise
         else:
             wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
-    data = build_datasets(args)
+    try:
+        data = build_datasets(args)
+    except OSError as e:  # a folder or file that build_datasets (yours, maybe) did not find
+        raise UserError(f"my_dataset.build_datasets: {e}; check --data-path (or where your datasets read)") from None
     check_datasets(data)
     found, where = len(data.classes), args.train_list or args.data_path
     if args.num_classes is not None and args.num_classes != found:
@@ -103,26 +106,52 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
 
 
 def check_datasets(data):
-    """What my_dataset.py's contract asks of datasets, checked before training: each is not
-    empty, its labels fit the classes, and (for a dataset other than MyDataSet) its first item
-    is (image, label) with image a uint8 or float CHW tensor of 3 channels."""
+    """What my_dataset.py's contract asks, checked before training: two datasets and 2 or more
+    class names; labels that fit them (``targets``, and the first item's label); and, for a
+    dataset other than MyDataSet, a first item (image, label) with image a uint8 CHW tensor
+    of 3 channels or a float one in [0, 1], label an integer."""
+    if not all(hasattr(data, name) for name in ("train", "val", "classes")):
+        raise UserError(f"my_dataset.build_datasets returned a {type(data).__name__}; return "
+                        "Datasets(train, val, classes)")
+    if len(data.classes) < 2:
+        raise UserError(f"my_dataset.build_datasets: {len(data.classes)} class name(s) {list(data.classes)}; "
+                        "a classifier needs at least 2")
     for name, dataset in (("training", data.train), ("validation", data.val)):
+        where = f"my_dataset.build_datasets: the {name} dataset"
         if len(dataset) == 0:
-            raise UserError(f"my_dataset.build_datasets: the {name} dataset is empty")
+            raise UserError(f"{where} is empty")
+        own_classes = getattr(dataset, "classes", None)
+        if own_classes is not None and list(own_classes) != list(data.classes):
+            raise UserError(f"{where} has the classes {list(own_classes)}, not {list(data.classes)}: its labels "
+                            "would mean other classes; give both datasets the same class folders")
         targets = getattr(dataset, "targets", None)
-        if targets is not None and len(targets) and not 0 <= min(targets) <= max(targets) < len(data.classes):
-            raise UserError(f"my_dataset.build_datasets: the {name} dataset's labels run from {min(targets)} to "
-                            f"{max(targets)}, but there are {len(data.classes)} classes (labels 0 to "
-                            f"{len(data.classes) - 1})")
+        if targets is not None:
+            _check_labels(targets, len(data.classes), where)
         if isinstance(dataset, MyDataSet):
             continue  # built in: its files were checked when they were listed
         item = dataset[0]
         image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+        is_label = isinstance(label, numbers.Integral) or (torch.is_tensor(label) and label.numel() == 1
+                                                           and not label.is_floating_point())
         if not (torch.is_tensor(image) and image.ndim == 3 and image.shape[0] == 3
-                and (image.dtype == torch.uint8 or image.is_floating_point())
-                and (isinstance(label, numbers.Integral) or torch.is_tensor(label) and label.numel() == 1)):
+                and (image.dtype == torch.uint8 or image.is_floating_point()) and is_label):
             found = (f"{type(image).__name__} {tuple(image.shape)} {image.dtype}" if torch.is_tensor(image)
                      else type(image).__name__)
-            raise UserError(f"my_dataset.build_datasets: the {name} dataset's items must be (image, label), image a "
-                            f"uint8 or float CHW tensor with 3 channels (e.g. v2.ToImage() in its transform), label an "
-                            f"int; its first image is a {found}")
+            raise UserError(f"{where}'s items must be (image, label), image a uint8 or float CHW tensor with 3 "
+                            f"channels (e.g. v2.ToImage() in its transform), label an int; its first image is a "
+                            f"{found}, its label a {type(label).__name__}")
+        if image.is_floating_point() and float(image.max()) > 1:
+            raise UserError(f"{where}'s first image is float with values up to {float(image.max()):g}: give uint8 "
+                            "images, or float ones in [0, 1] (v2.ToDtype(torch.float32, scale=True))")
+        _check_labels([int(label)], len(data.classes), where + "'s first item")
+
+
+def _check_labels(labels, num_classes, where):
+    """Labels must be integers in range(num_classes)."""
+    try:
+        low, high = min(int(y) for y in labels), max(int(y) for y in labels)
+    except (TypeError, ValueError):
+        raise UserError(f"{where}: its labels (targets) must be integers 0 to {num_classes - 1}") from None
+    if not 0 <= low <= high < num_classes:
+        raise UserError(f"{where}: labels run from {low} to {high}, but there are {num_classes} classes "
+                        f"(labels 0 to {num_classes - 1})")

@@ -13,7 +13,10 @@ from multi_train_utils.run_files import read_run_args
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "data_path", "val_path", "train_list", "val_list", "val_rate", "seed")
+RUN_SETTINGS = ("model", "img_size", "val_rate", "seed")
+# Where the data is: class folders or label files. --eval-only takes the run's, unless any of
+# them is given on the command line (then none of the run's, so that the two never mix).
+DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -49,7 +52,7 @@ def get_args_parser(distributed):
     data.add_argument("--train-list", default=None, metavar="CSV", help="instead of class folders: a CSV file with the header path,label (label: a class name; path: relative to the CSV); the classes are its labels (default: none, use --data-path)")
     data.add_argument("--val-list", default=None, metavar="CSV", help="with --train-list: the validation images, as a CSV like it (default: split --train-list by --val-rate)")
     data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
-    data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of class folders; any other value is an error)")
+    data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of classes in the data; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
     data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores)")
     data.add_argument("--download", action="store_true", help="download the tutorial's flower_photos (228 MB, checked by SHA-256) to --data-path first, unless it is there")
@@ -128,9 +131,10 @@ def parse_args(parser, argv=None):
                 setattr(args, key, value)
     if args.eval_only:
         if not args.weights:
-            raise UserError("--eval-only needs --weights PATH (e.g. weights/model-29.pth)")
+            raise UserError("--eval-only needs --weights PATH (e.g. weights/model-best.pth)")
         take_run_settings(args, given)
     check_numbers(args)
+    check_data_flags(args, given)
     return args
 
 
@@ -141,10 +145,11 @@ def take_run_settings(args, given):
     run_args = read_run_args(run_dir)
     if run_args is None:
         return
-    for key in RUN_SETTINGS:
+    taken = RUN_SETTINGS + (DATA_FLAGS if not given & set(DATA_FLAGS) else ())
+    for key in taken:
         if key not in given and key in run_args:
             setattr(args, key, run_args[key])
-    for key in ("data_path", "val_path", "train_list", "val_list"):
+    for key in DATA_FLAGS:
         path = getattr(args, key, None)
         if key not in given and path and not os.path.exists(path):
             raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
@@ -162,7 +167,6 @@ def check_numbers(args):
         raise UserError(f"--keep-last {args.keep_last}: must be 0 (keep all) or more")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads {args.threads}: must be at least 1")
-    check_data_flags(args)
     if args.eval_output and not args.eval_only:
         raise UserError("--eval-output is for --eval-only; a training run writes its confusion matrix to --output-dir")
     if args.eval_output and os.path.exists(args.eval_output) and not os.path.isdir(args.eval_output):
@@ -188,8 +192,10 @@ def check_numbers(args):
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
 
 
-def check_data_flags(args):
+def check_data_flags(args, given=()):
     """Class folders (--data-path, --val-path) or label files (--train-list, --val-list): not both."""
+    if args.train_list and "data_path" in given:
+        raise UserError("--data-path with --train-list: the label file says where the images are; drop --data-path")
     if args.val_list and not args.train_list:
         raise UserError("--val-list needs --train-list (the training images and their classes)")
     if args.train_list and args.val_path:

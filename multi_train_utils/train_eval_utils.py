@@ -122,7 +122,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     settings = settings or LoopSettings()
     scaler = scaler or settings.precision.grad_scaler()
     set_train_mode(model)
-    loss_function = create_loss()
+    loss_function = create_loss().to(device)  # class weights, if any, on the device
     to_device = DeviceNormalizer(device, settings.channels_last)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = len(data_loader)

@@ -1,10 +1,11 @@
 """Every way of starting training, end to end on CPU: files written and metrics rows."""
 import glob
 import os
+import shlex
 
 import pytest
 
-from conftest import (CORES, PROBE, PYTHON, TORCHRUN, assert_run_outputs, cpuinfo_lists_bf16, free_port,
+from conftest import (CORES, PROBE, PYTHON, REPO, TORCHRUN, assert_run_outputs, cpuinfo_lists_bf16, free_port,
                       probe_records, read_metrics, run, script, subprocess_env, train_args)
 
 
@@ -124,6 +125,14 @@ def test_spawn_two_processes(tiny_data, tmp_path):
     assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=result.stdout)
 
 
+def readme_commands_after(text):
+    """The lines of the README's first code block after the line that starts with ``text``."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    block = readme[readme.index("\n" + text):].split("```")[1]
+    return [line for line in block.splitlines()[1:] if line.strip() and not line.startswith("#")]
+
+
 def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path):
     """--demo writes a learnable dataset once and trains on it far above chance (0.2), with
     bf16 autocast as with fp32: the same loss within 10 % and accuracy within 6 of 60 images.
@@ -150,6 +159,19 @@ def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path):
     classes = sorted(p.name for p in data.iterdir() if p.is_dir())
     assert classes == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
     assert all(len(os.listdir(data / c)) == 60 for c in classes)
+    # the README's examples after the demo, as written, in a project folder holding this run
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    os.symlink(tmp_path / "off", project / "weights")
+    os.symlink(data, project / "data" / "demo")
+    for command in readme_commands_after("After the demo, these examples work as written"):
+        argv = shlex.split(command)
+        assert argv[0] == "python" and argv[1].endswith(".py"), command
+        result = run([PYTHON, script(argv[1]), *argv[2:]], cwd=str(project))
+        assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
+    assert set(os.listdir(project)) <= {"data", "runs", "weights"}  # only into git-ignored folders
+    assert (tmp_path / "off" / "model-best.torchscript.pt").is_file()
+    assert (project / "runs" / "eval" / "confusion_matrix.csv").is_file()
     # a second --demo run reuses the data as it is
     stamp = os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns
     from multi_train_utils.example_data import make_demo_dataset

@@ -115,6 +115,7 @@ def lists(tiny_data, tmp_path):
     rows = [r for r in list_of_folder(tiny_data["train"], tmp_path)
             if not r[0].endswith((".txt", "broken.jpg")) and not os.path.basename(r[0]).startswith(".")]
     broken = os.path.relpath(os.path.join(tiny_data["train"], "dandelion", "broken.jpg"), tmp_path)
+    val_image = os.path.relpath(os.path.join(tiny_data["val"], "daisy", "daisy_000.jpg"), tmp_path)
 
     def error_of(train_rows=rows, val_rows=None, header=("path", "label")):
         train = write_list(tmp_path / "train.csv", train_rows, header)
@@ -127,7 +128,7 @@ def lists(tiny_data, tmp_path):
         assert "\n" not in message
         return message
 
-    return {"rows": rows, "error_of": error_of, "dir": tmp_path, "broken": broken}
+    return {"rows": rows, "error_of": error_of, "dir": tmp_path, "broken": broken, "val_image": val_image}
 
 
 def test_label_file_mistakes_are_one_clear_line(lists):
@@ -141,11 +142,14 @@ def test_label_file_mistakes_are_one_clear_line(lists):
     assert "line 3: expected path,label" in error_of(rows[:1] + [(rows[1][0], "")] + rows[2:])
     missing = error_of(rows + [("daisy/gone.jpg", "daisy")])
     assert f"line {len(rows) + 2}:" in missing and "gone.jpg: no such file" in missing
-    assert "class 'lilies' is not one of the training classes" in error_of(val_rows=[(rows[0][0], "lilies")])
+    assert "class 'lilies' is not one of the training classes" in error_of(val_rows=[(lists["val_image"], "lilies")])
     broken = error_of([r for r in rows if not r[1] == "tulips"] + [(lists["broken"], "tulips")])
     assert "class 'tulips' has no readable images" in broken
     assert "found 1 class (daisy)" in error_of([r for r in rows if r[1] == "daisy"])
     assert "lists no images" in error_of([])
+    twice = error_of(rows + [("./" + rows[0][0], "roses")])
+    assert f"line {len(rows) + 2}:" in twice and "is listed already on line 2; list each image once" in twice
+    assert "is in --train-list too (line 3)" in error_of(val_rows=[(rows[1][0], rows[1][1])])
 
 
 def test_resume_auto_of_a_finished_run_says_it_is_complete(single_run, tiny_data, tmp_path):
@@ -188,10 +192,19 @@ def test_datasets_that_break_the_contract_are_refused_in_one_line():
     for bad, expected in ((Items((Image.new("RGB", (8, 8)), 0)), "its first image is a Image"),
                           (Items((torch.zeros(1, 8, 8), 0)), "its first image is a Tensor (1, 8, 8) torch.float32"),
                           (Items((torch.zeros(3, 8, 8), "a")), "label an int"),
+                          (Items((torch.zeros(3, 8, 8), torch.tensor(1.0))), "label an int"),
+                          (Items((torch.full((3, 8, 8), 255.0), 0)), "float with values up to 255"),
+                          (Items((torch.zeros(3, 8, 8), 2)), "first item: labels run from 2 to 2"),
                           (Items((torch.zeros(3, 8, 8), 0), targets=[0, 1, 2]), "labels run from 0 to 2, but there are 2 classes")):
         with pytest.raises(UserError, match=re.escape(expected)) as error:
             check_datasets(Datasets(good, bad, ["a", "b"]))
         assert "the validation dataset" in str(error.value) and "\n" not in str(error.value)
+    other = Items((torch.zeros(3, 8, 8, dtype=torch.uint8), 0))
+    other.classes = ["a", "c"]  # an ImageFolder whose folders differ: its labels mean other classes
+    with pytest.raises(UserError, match=re.escape("has the classes ['a', 'c'], not ['a', 'b']")):
+        check_datasets(Datasets(good, other, ["a", "b"]))
+    with pytest.raises(UserError, match="return Datasets"):
+        check_datasets((good, good))
 
 
 def test_help_says_each_default_once():
