@@ -2,7 +2,7 @@
 # Planted bugs: each NAME.patch breaks one claim of the README; its first line names the test
 # that must then fail. For every patch (or those named: run.sh NAME ...), this copies the
 # working tree to a temporary folder, applies the patch there, runs that test, and prints
-#   caught             the test failed on an assertion
+#   caught             the test failed on an assertion (or a pytest.raises that saw nothing raised)
 #   caught (error)     it failed, but not on an assertion of the test (a fixture's run crashed)
 #   caught (time-out)  it failed by running out of time: make it fail faster
 #   SURVIVED           it passed: the claim is not guarded
@@ -37,7 +37,7 @@ for name in "${names[@]}"; do
             verdict="caught (time-out)"
         elif [ $status -ne 1 ]; then
             verdict="NO TEST"
-        elif grep -q "^E  *AssertionError\|^E  *assert " "$work/$name.log" \
+        elif grep -q "^E  *AssertionError\|^E  *assert \|^E  *Failed: DID NOT RAISE" "$work/$name.log" \
                 && ! grep -q "ERROR at setup" "$work/$name.log"; then
             verdict="caught"
         else
