@@ -70,8 +70,12 @@ def no_process_left_behind():
 
 
 def start(cmd, env=None):
+    """Start a job as a terminal would: in a session of its own, Ctrl-C (SIGINT) not ignored,
+    also when pytest itself runs in the background of a script (where SIGINT is ignored, and
+    a job started from there rightly keeps ignoring it)."""
     job = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+                           text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     STARTED.append(job)
     return job
 

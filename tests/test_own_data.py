@@ -155,8 +155,13 @@ def test_label_file_mistakes_are_one_clear_line(lists):
 def test_resume_auto_of_a_finished_run_says_it_is_complete(single_run, tiny_data, tmp_path):
     from conftest import train_args
 
+    import torch
+
     out = tmp_path / "out"
     shutil.copytree(single_run["out"], out)
+    # a resumed run logs into its checkpoint's TensorBoard run: give the copy one of its own
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    torch.save(dict(checkpoint, log_dir=str(tmp_path / "tb")), out / "checkpoint.pth")
     before = read_metrics(str(out))
     result = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "2", "--workers", "0",
                                                                  "--resume", "auto")])
