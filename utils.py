@@ -121,6 +121,11 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
             f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
             "raise --val-rate or give --val-path"
         )
+    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate)
+
+
+def _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate):
+    """The DataSplit, unless --val-rate left no training images."""
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
     return DataSplit(train_images, train_labels, val_images, val_labels, classes, skipped)
@@ -239,9 +244,7 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
                         "raise --val-rate or give --val-list" if val_list is None else
                         f"--val-list {val_list}: none of its images can be read")
-    if not train_images:
-        raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
-    return DataSplit(train_images, train_labels, val_images, val_labels, classes, skipped)
+    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate)
 
 
 def stack_batch(batch):
