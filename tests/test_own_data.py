@@ -263,3 +263,31 @@ def test_label_file_flags_that_do_not_go_together():
             parse_args(parser, argv)
     args = parse_args(parser, ["--train-list", "t.csv", "--val-list", "v.csv"])
     assert (args.train_list, args.val_list, args.keep_last, args.threads) == ("t.csv", "v.csv", 1, None)
+
+
+def test_eval_only_takes_the_runs_data_flags_as_one_group(tmp_path):
+    """--eval-only of a run trained on label files: without data flags it takes the run's
+    lists; with --data-path given it takes none of them (folders and lists never mix)."""
+    import json
+
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "model-best.pth").write_bytes(b"")
+    train, val = tmp_path / "train.csv", tmp_path / "val.csv"
+    train.write_text("path,label\n")
+    val.write_text("path,label\n")
+    (run_dir / "args.json").write_text(json.dumps({"train_list": str(train), "val_list": str(val), "data_path": None,
+                                                   "val_path": None, "model": "resnet18", "img_size": 32}))
+    parser = get_args_parser(distributed=False)
+    weights = ["--eval-only", "--weights", str(run_dir / "model-best.pth")]
+    taken = parse_args(parser, weights)
+    assert (taken.train_list, taken.val_list, taken.model, taken.img_size) == (str(train), str(val), "resnet18", 32)
+    try:
+        folders = parse_args(parser, weights + ["--data-path", str(tmp_path)])
+    except UserError as e:  # the run's lists taken beside the given folder
+        folders = str(e)
+    assert not isinstance(folders, str), folders
+    assert (folders.train_list, folders.val_list, folders.data_path) == (None, None, str(tmp_path))
