@@ -198,15 +198,34 @@ def case_download_offline(tmp, data):
 CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.__name__[5:] for c in CASES])
-def test_bad_input_single(case, tiny_data, tmp_path):
+def launch_bad_input(case, tmp_path, tiny_data):
+    """Run train_single.py with ``case``'s flags in ``tmp_path``: (result, expected texts)."""
     argv, expected = case(tmp_path, tiny_data)
-    out = tmp_path / "out"
     env = {"TORCH_HOME": str(tmp_path / "torch_home"),  # empty cache, and no network:
            "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": ""}
     # --epochs 1: a check that is gone shows as this case's failed assertion, not as a time-out
     result = run([PYTHON, script("train_single.py"), *FAST, "--epochs", "1", *argv, "--workers", "0",
-                  "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")], env=env, timeout=120)
+                  "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "tb")], env=env, timeout=120)
+    return result, expected
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tiny_data, tmp_path_factory):
+    """Every case's process, started two at a time (each is mostly start-up, one core's work),
+    in a folder of its own: {case name: (folder, result, expected)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = {case.__name__: tmp_path_factory.mktemp(case.__name__) for case in CASES}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {case.__name__: pool.submit(launch_bad_input, case, folders[case.__name__], tiny_data)
+                   for case in CASES}
+        return {name: (folders[name], *future.result()) for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__[5:] for c in CASES])
+def test_bad_input_single(case, bad_input_runs):
+    tmp_path, result, expected = bad_input_runs[case.__name__]
+    out = tmp_path / "out"
     assert result.returncode == 2, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "error:" in last
