@@ -33,7 +33,7 @@ from multi_train_utils.performance import choose_precision, configure_backends, 
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
-from multi_train_utils.signals import install_stop_handlers
+from multi_train_utils.signals import die_with_launcher, install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
                                                 optimizer_steps_per_epoch, train_one_epoch)
@@ -53,15 +53,19 @@ def main(argv=None):
     is_main = env.rank == 0
     run_log = RunLog() if is_main else None  # what rank 0 prints goes to train.log too
     install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
+    if env.launcher == "torchrun":
+        die_with_launcher()  # a torchrun killed with kill -9 takes its workers with it
 
     # 1. Process group (none, and backend None, for a single process started without a launcher).
     backend = init_distributed_mode(args, env, device)
     try:
-        # Data (my_dataset.build_datasets: edit it for your own), --weights, --resume, --output-dir:
-        # every rank checks the same input; if any rank finds a problem, all stop here, before
-        # anything is built or written.
-        data, weights_state, resume_path, checkpoint = check_on_every_rank(
-            lambda: read_inputs(args, build_datasets, env.local_rank, env.world_size, verbose=is_main), device)
+        # --output-dir locked by rank 0, the one that writes there (a second run into it stops
+        # here); then the data (my_dataset.build_datasets: edit it for your own), --weights,
+        # --resume, --output-dir: every rank checks the same input; if any rank finds a problem,
+        # all stop here, before anything is built or written.
+        data, weights_state, resume_path, checkpoint, output_lock = check_on_every_rank(
+            lambda: read_inputs(args, build_datasets, env.local_rank, env.world_size, verbose=is_main,
+                                writer=is_main), device)
         check_same_on_every_rank(-1 if checkpoint is None else int(checkpoint["epoch"]), device,
                                  "the checkpoint to resume from")
         num_classes = len(data.classes)
@@ -157,6 +161,7 @@ def spawn_processes(args, argv):
 def _spawned_process(local_rank, nprocs, port, argv):
     os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    die_with_launcher()  # the --spawn parent, killed, takes this process with it
     run_cli(main, argv)
 
 

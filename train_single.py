@@ -37,9 +37,10 @@ def main(argv=None):
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
 
-    # Data (my_dataset.build_datasets: edit it for your own), --weights, --resume, --output-dir:
+    # --output-dir locked for this run (a second run into it stops here); then the data
+    # (my_dataset.build_datasets: edit it for your own), --weights, --resume and --output-dir,
     # all checked before anything is built or written.
-    data, weights_state, resume_path, checkpoint = read_inputs(args, build_datasets)
+    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(args, build_datasets)
     num_classes = len(data.classes)
     train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
 

@@ -16,6 +16,7 @@ from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker, download_flower_photos,
                                             make_demo_dataset, wait_for_folder)
 from multi_train_utils.run_files import check_output_dir, read_run_classes
+from multi_train_utils.run_lock import RunLock, lock_output_dir
 from my_dataset import Datasets, MyDataSet
 
 
@@ -24,19 +25,27 @@ class RunInputs(NamedTuple):
     weights_state: Optional[dict]  # --weights, unless resuming
     resume_path: Optional[str]
     checkpoint: Optional[dict]  # the full checkpoint to resume from, or None for a fresh start
+    output_lock: Optional[RunLock]  # this run's hold on --output-dir (the writing rank's), until it exits
 
 
-def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True):
-    """Build the datasets (``build_datasets(args)``, see my_dataset.py), read --weights and
-    --resume, check --output-dir: a UserError on bad input."""
-    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
-    if not args.eval_only:  # before --download or --demo fetch or write anything
-        check_output_dir(args.output_dir, args.overwrite, resume_path)
-    data = load_data(args, build_datasets, local_rank, world_size)
-    if checkpoint is not None:
-        check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
-    weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
-    return RunInputs(data, weights, resume_path, checkpoint)
+def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True, writer=True):
+    """Lock --output-dir (``writer``: the one process that writes there), then build the
+    datasets (``build_datasets(args)``, see my_dataset.py), read --weights and --resume and
+    check --output-dir: a UserError on bad input, which leaves nothing behind."""
+    lock = lock_output_dir(args.output_dir) if writer and not args.eval_only else None
+    try:
+        resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
+        if not args.eval_only:  # before --download or --demo fetch or write anything
+            check_output_dir(args.output_dir, args.overwrite, resume_path)
+        data = load_data(args, build_datasets, local_rank, world_size)
+        if checkpoint is not None:
+            check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
+        weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
+    except BaseException:
+        if lock is not None:
+            lock.discard()
+        raise
+    return RunInputs(data, weights, resume_path, checkpoint, lock)
 
 
 def resume_hint(args):

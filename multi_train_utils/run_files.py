@@ -17,26 +17,24 @@ ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
 METRICS_FILE = "metrics.csv"
 METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
-RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, "model-best.pth", METRICS_FILE, ARGS_FILE, CLASSES_FILE,
-             "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png", "curves.png",
-             "confusion_matrix.png")
+# Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
+# removes these names and no others (a model-final-for-paper.pth of yours stays).
+RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
+             CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
+             "curves.png", "confusion_matrix.png")
 
 
 # --- An earlier run in --output-dir ---------------------------------------------------------------
 
 def earlier_run_files(output_dir):
-    """Files in ``output_dir`` that an earlier training run wrote (checkpoints and metrics)."""
-    found = sorted(glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")))
-    found += [os.path.join(output_dir, f) for f in RUN_FILES
-              if os.path.isfile(os.path.join(output_dir, f)) and os.path.join(output_dir, f) not in found]
-    return found
+    """Files in ``output_dir`` that an earlier training run wrote, by their exact names."""
+    found = [path for _, path in sorted(model_epoch_files(output_dir).items())]
+    return found + [os.path.join(output_dir, f) for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
 
 
 def check_output_dir(output_dir, overwrite, resume_path=None):
     """Refuse to start over an earlier run's checkpoints, unless --overwrite is given or this
     run resumes from the checkpoint in that very folder."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
     resuming_here = resumes_in(resume_path, output_dir)
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
     if earlier and not overwrite and not resuming_here:
@@ -53,10 +51,16 @@ def clear_earlier_run(args, checkpoint):
     with nothing to resume), the files of an earlier run there. Other files are left alone."""
     os.makedirs(args.output_dir, exist_ok=True)
     for path in glob.glob(os.path.join(glob.escape(args.output_dir), ".*.tmp")):
-        os.remove(path)
+        if is_run_file(os.path.basename(path)[1:].removesuffix(".tmp").rsplit(".", 1)[0]):  # .NAME.XXXXXXXX.tmp
+            os.remove(path)
     if checkpoint is None and (args.overwrite or args.resume == "auto"):
         for path in earlier_run_files(args.output_dir):
             os.remove(path)
+
+
+def is_run_file(name):
+    """Whether a training run writes a file of this name into --output-dir."""
+    return name in RUN_FILES or re.fullmatch(r"model-\d+\.pth", name) is not None
 
 
 def model_epoch_files(output_dir):

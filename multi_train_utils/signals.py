@@ -55,11 +55,42 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
 
 def reset_in_worker(worker_id=None):
     """DataLoader ``worker_init_fn``. A forked loader worker inherits the handlers and the
-    wakeup pipe: it drops the pipe, ignores SIGINT (the main process shuts it down; SIGTERM
-    keeps torch's own worker handler, which the shutdown relies on) and dies with its
-    parent, so a killed trainer never leaves loader workers behind."""
+    wakeup pipe: it drops the pipe, ignores SIGINT and leaves quietly on SIGTERM (the main
+    process shuts it down and reports the interruption; SLURM and torchrun send SIGTERM to
+    every process, and a worker killed by it would be reported as a crash instead), and it
+    dies with its parent, so a killed trainer never leaves loader workers behind."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _leave_quietly)
     if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _set_parent_death_signal(signal.SIGKILL)
+
+
+def _leave_quietly(signum, frame):
+    os._exit(0)
+
+
+def die_with_launcher():
+    """End this process at once (SIGKILL: nothing more is written) when the launcher that
+    started it dies, e.g. a torchrun killed with kill -9 or by the OOM killer, whose
+    workers would otherwise train on, re-parented, beside the next run."""
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        _set_parent_death_signal(signal.SIGKILL)
+    else:
+        threading.Thread(target=_watch_parent, args=(launcher,), name="launcher-watch", daemon=True).start()
+    if os.getppid() != launcher:  # it died before the signal was set
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_parent_death_signal(signum):
+    """Linux: the kernel sends ``signum`` to this process when its parent ends."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+
+
+def _watch_parent(parent, interval=1.0):
+    """Elsewhere: notice within ``interval`` seconds that the parent is gone (re-parented)."""
+    while os.getppid() == parent:
+        threading.Event().wait(interval)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -44,6 +44,9 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     shutil.copytree(single_run["out"], out)
     (out / "model-7.pth").write_bytes((out / "model-1.pth").read_bytes())
     (out / "notes.txt").write_text("mine")
+    for name in ("model-final-for-paper.pth", "model-best.onnx", ".notes.tmp"):  # the user's, by their names
+        (out / name).write_bytes(b"mine")
+    (out / "checkpoint.pth.damaged").write_bytes(b"")  # the template's
     before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)}
 
     refused = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
@@ -58,4 +61,6 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr
     assert_run_outputs(str(out), epochs=1)  # model-1 and model-7 of the earlier run are gone
     assert not (out / "checkpoint-prev.pth").exists()  # the earlier run's checkpoints too
-    assert (out / "notes.txt").read_text() == "mine"  # the user's own files stay
+    assert not (out / "checkpoint.pth.damaged").exists()
+    for name in ("notes.txt", "model-final-for-paper.pth", "model-best.onnx", ".notes.tmp"):
+        assert (out / name).read_bytes() == b"mine", name  # the user's own files stay

@@ -1,0 +1,127 @@
+"""One writer per --output-dir: an OS lock on a file in it, held from the first write to exit.
+
+The kernel drops the lock when the process ends, however it ends, so a crash never leaves a
+stale lock. It is a POSIX record lock (``fcntl.lockf``): such locks belong to the process
+that took them, so forked DataLoader workers do not hold it and cannot keep it alive after
+the run. On shared file systems it is as good as their locking: NFS mounted with ``nolock``
+or ``local_lock``, Lustre without ``-o flock`` and BeeGFS (by default) keep locks node-local,
+so two runs on two nodes are not kept apart there.
+"""
+import datetime
+import errno
+import os
+import socket
+import sys
+import tempfile
+
+from multi_train_utils.errors import UserError
+
+LOCK_FILE = "run.lock"
+# The file system does not do locks at all (as opposed to: someone else holds it).
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+try:
+    import fcntl
+except ImportError:  # Windows: no POSIX locks
+    fcntl = None
+
+
+class RunLock:
+    """The lock on one output folder, held until the process ends."""
+
+    def __init__(self, fd, path, made_folder, made_file):
+        self.fd = fd
+        self.path = path
+        self.made = (made_folder, made_file)  # what taking the lock created
+
+    def discard(self):
+        """Bad input, nothing written: remove the lock file and the folder if taking the lock
+        created them (the folder only if it is still empty), then let the lock go."""
+        made_folder, made_file = self.made
+        if made_file:
+            _remove_quietly(os.remove, self.path)
+        if made_folder:
+            _remove_quietly(os.rmdir, os.path.dirname(self.path))
+        os.close(self.fd)
+
+
+def _remove_quietly(remove, path):
+    try:
+        remove(path)
+    except OSError:
+        pass
+
+
+def lock_output_dir(output_dir):
+    """Create ``output_dir`` if needed, check that files can be written there, and take its
+    lock: a UserError if it cannot be written or another run holds it. Returns a RunLock,
+    or None (with a warning) where the file system has no locks."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
+    made_folder = not os.path.exists(output_dir)
+    path = os.path.join(output_dir, LOCK_FILE)
+    for _ in range(3):
+        made_file = not os.path.exists(path)
+        fd = _open_lock_file(output_dir, path)
+        if fcntl is None:
+            os.close(fd)
+            print(f"warning: {path}: cannot lock files on this system; make sure no other run writes into "
+                  f"{output_dir}", file=sys.stderr, flush=True)
+            return None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise UserError(f"--output-dir {output_dir}: another run is writing there ({holder}); wait for it "
+                                "to finish, stop it, or choose another --output-dir") from None
+            if e.errno not in _NO_LOCKS:
+                raise UserError(f"--output-dir {output_dir}: cannot lock {LOCK_FILE} ({e.strerror})") from None
+            print(f"warning: {path}: this file system does not lock files ({e.strerror}); make sure no other run "
+                  f"writes into {output_dir}", file=sys.stderr, flush=True)
+            return None
+        if _same_file(fd, path):  # not removed by a run that gave up on bad input meanwhile
+            _write_holder(fd)
+            return RunLock(fd, path, made_folder, made_file)
+        os.close(fd)
+    raise UserError(f"--output-dir {output_dir}: {LOCK_FILE} keeps being replaced; is another run starting there?")
+
+
+def _open_lock_file(output_dir, path):
+    """The lock file, opened for writing, after checking that a new file can be made there."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):  # the files of the run will be new files
+            pass
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror}); "
+                        "choose a folder you can write to") from None
+
+
+def _same_file(fd, path):
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _write_holder(fd):
+    """Say in the lock file who holds it, for the run that finds it taken."""
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    text = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
+    except OSError:  # a full disk: the lock holds all the same
+        pass
+
+
+def _read_holder(fd):
+    """The holder as its lock file describes it."""
+    try:
+        text = os.pread(fd, 300, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return f"held by {text}" if text else "its lock is held"
