@@ -19,7 +19,7 @@ NumPy's global generator is not seeded: a dataset that wants exact resume draws 
 or ``random`` instead.
 """
 import random
-from typing import List, NamedTuple, Sequence
+from typing import List, Mapping, NamedTuple, Sequence
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -35,6 +35,8 @@ class Datasets(NamedTuple):
     val: Dataset
     classes: List[str]  # the name of each label, in label order
     skipped: Sequence[str] = ()  # files left out because they cannot be opened (a warning each)
+    skip_reasons: Mapping[str, str] = {}  # {skipped file: why}; "not a readable image" where none is given
+    notes: Sequence[str] = ()  # other warnings about the data, printed at the start (a class without val images)
 
 
 def build_datasets(args):
@@ -70,7 +72,7 @@ def image_file_datasets(split, img_size):
     # crops of a quarter of the image or more lose nothing), validation its resize size.
     train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size)
     val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=resize_size(img_size))
-    return Datasets(train, val, split.classes, split.skipped)
+    return Datasets(train, val, split.classes, split.skipped, split.skip_reasons, split.notes)
 
 
 class MyDataSet(Dataset):

@@ -27,7 +27,7 @@ from multi_train_utils.distributed_utils import (check_on_every_rank, check_same
                                                  configure_cpu_threads, default_workers, init_distributed_mode,
                                                  read_dist_env, select_device, use_sync_bn)
 from multi_train_utils.errors import run_cli
-from multi_train_utils.inputs import load_data, read_inputs, resume_hint
+from multi_train_utils.inputs import file_list_fingerprint, load_data, read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -114,7 +114,8 @@ def main(argv=None):
             clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
             set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
         recorder = RunRecorder(args=args, classes=data.classes, world_size=env.world_size, enabled=is_main,
-                               checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
+                               checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
+                               file_list=file_list_fingerprint(data) if is_main else None)
         if is_main:
             print_start_summary(args, data, device, settings, model, lr, workers, recorder.log_dir,
                                 env.world_size, env.launcher, backend or "-")

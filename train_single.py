@@ -14,7 +14,7 @@ from model import build_model
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import configure_cpu_threads, default_workers, select_device
 from multi_train_utils.errors import run_cli
-from multi_train_utils.inputs import read_inputs, resume_hint
+from multi_train_utils.inputs import file_list_fingerprint, read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -76,7 +76,7 @@ def main(argv=None):
     clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
     set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
     recorder = RunRecorder(args=args, classes=data.classes, checkpoint=checkpoint, resume_path=resume_path,
-                           run_log=run_log)
+                           run_log=run_log, file_list=file_list_fingerprint(data))
     print_start_summary(args, data, device, settings, model, args.lr, workers, recorder.log_dir)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     for epoch in range(start_epoch, args.epochs):

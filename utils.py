@@ -6,17 +6,17 @@ the datasets from ``my_dataset.build_datasets``.
 import csv
 import os
 import random
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple
 
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader
 
 from multi_train_utils.errors import UserError
+from multi_train_utils.image_files import IMG_EXTENSIONS, find_image_files, list_entries, no_file_at
 from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported: the tutorial's place)
+from multi_train_utils.images import unreadable_reason
 from multi_train_utils.signals import reset_in_worker
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 # The tutorial's data: 5 class folders, 3670 JPEGs (--download fetches and checks it).
 FLOWER_PHOTOS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
 
@@ -29,15 +29,18 @@ class DataSplit(NamedTuple):
     val_images_path: List[str]
     val_images_label: List[int]
     classes: List[str]
-    skipped: List[str]  # files with an image extension that PIL cannot open
-
-
-def _is_hidden(name):
-    return name.startswith(".")
+    skipped: List[str]  # files and folders left out: not readable as images, or symlink loops
+    skip_reasons: Dict[str, str] = {}  # {skipped path: why}, e.g. "not a readable image: too many pixels ..."
+    notes: List[str] = []  # other warnings: a class that gets no validation image
 
 
 def find_classes(root, flag="--data-path"):
     """Sorted class names: the visible sub-folders of ``root``."""
+    return _class_folders(root, flag)[0]
+
+
+def _class_folders(root, flag):
+    """(sorted class names, {path: why} of the entries of ``root`` that cannot be followed)."""
     if not os.path.exists(root):
         raise UserError(
             f"{flag} {root}: no such folder. Put one sub-folder of images per class there, "
@@ -45,42 +48,38 @@ def find_classes(root, flag="--data-path"):
         )
     if not os.path.isdir(root):
         raise UserError(f"{flag} {root}: not a folder; give a folder with one sub-folder of images per class")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not _is_hidden(e.name))
+    try:
+        entries = list_entries(root)
+    except OSError as e:
+        raise UserError(f"{flag} {root}: cannot be read ({e.strerror})") from None
+    classes = [os.path.basename(path) for path in entries.folders]
     if not classes:
         raise UserError(f"{flag} {root}: no class folders inside; put the images of each class in a sub-folder")
-    return classes
+    return classes, entries.problems
 
 
 def list_images(folder):
-    """Image files directly in ``folder``, by extension (any case), hidden files ignored, sorted."""
-    return sorted(
-        os.path.join(folder, e.name)
-        for e in os.scandir(folder)
-        if e.is_file() and not _is_hidden(e.name) and os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS
-    )
-
-
-def is_readable_image(path):
-    """Cheap check that PIL recognises the file (it reads the header, not the pixels)."""
-    try:
-        with Image.open(path) as img:
-            img.verify()
-        return True
-    except Exception:  # PIL raises many types for a broken file
-        return False
+    """Image files in ``folder`` and its sub-folders (see ``image_files.find_image_files``), sorted."""
+    return sorted(find_image_files(folder).paths)
 
 
 def _scan_class_folders(root, classes, flag):
-    """Readable images and labels of every class folder; fails on a class with none."""
-    images, labels, skipped = [], [], []
+    """Readable images and labels of every class folder (sub-folders included); the skipped
+    files with the reason of each. Fails on a class with no images."""
+    images, labels, reasons = [], [], {}
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
         if not os.path.isdir(folder):
             raise UserError(f"{flag} {root}: class folder {name!r} is missing (the training data has it)")
-        files = list_images(folder)
-        readable = [p for p in files if is_readable_image(p)]
-        readable_set = set(readable)
-        skipped += [p for p in files if p not in readable_set]
+        found = find_image_files(folder)
+        reasons.update(found.problems)
+        readable = []
+        for path in sorted(found.paths):
+            reason = unreadable_reason(path)
+            if reason is None:
+                readable.append(path)
+            else:
+                reasons[path] = reason
         if not readable:
             raise UserError(
                 f"{flag} {root}: class folder {name!r} has no images "
@@ -88,7 +87,7 @@ def _scan_class_folders(root, classes, flag):
             )
         images += readable
         labels += [label] * len(readable)
-    return images, labels, skipped
+    return images, labels, reasons
 
 
 def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
@@ -98,21 +97,25 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
     deterministic: files are sorted and shuffled with ``random.Random(seed)``, so it depends
     neither on ``os.listdir`` order nor on global random state. With ``val_root`` (same class
     folders) nothing is split: all of ``root`` trains and all of ``val_root`` validates.
-    Files with an image extension that PIL cannot open are skipped and listed in ``skipped``.
+    Images in sub-folders of a class folder belong to the class, as in torchvision's
+    ImageFolder (symlinks followed, each real file once). Files with an image extension that
+    PIL cannot open, and entries that cannot be followed (a symlink loop), are skipped and
+    listed in ``skipped``, with the reason of each in ``skip_reasons``.
     """
-    classes = find_classes(root)
+    classes, skipped = _class_folders(root, "--data-path")
     if val_root is not None:
-        val_classes = find_classes(val_root, flag="--val-path")
+        val_classes, val_skipped = _class_folders(val_root, "--val-path")
         if val_classes != classes:
             raise UserError(
                 f"--val-path {val_root}: class folders {val_classes} differ from --data-path's {classes}; "
                 "use the same class folder names"
             )
-        train_images, train_labels, skipped = _scan_class_folders(root, classes, "--data-path")
-        val_images, val_labels, val_skipped = _scan_class_folders(val_root, classes, "--val-path")
-        skipped += val_skipped
+        train_images, train_labels, reasons = _scan_class_folders(root, classes, "--data-path")
+        val_images, val_labels, val_reasons = _scan_class_folders(val_root, classes, "--val-path")
+        skipped.update({**reasons, **val_skipped, **val_reasons})
     else:
-        images, labels, skipped = _scan_class_folders(root, classes, "--data-path")
+        images, labels, reasons = _scan_class_folders(root, classes, "--data-path")
+        skipped.update(reasons)
         train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
     if len(classes) < 2:
         raise UserError(f"--data-path {root}: found 1 class folder ({classes[0]}); a classifier needs at least 2")
@@ -124,11 +127,19 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
     return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate)
 
 
-def _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate):
-    """The DataSplit, unless --val-rate left no training images."""
+def _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate, val_list=None):
+    """The DataSplit, unless --val-rate left no training images; a note for each class that
+    gets no validation image. ``skipped``: {path: why}."""
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
-    return DataSplit(train_images, train_labels, val_images, val_labels, classes, skipped)
+    notes = []
+    for label in sorted(set(range(len(classes))) - set(val_labels)):
+        count = train_labels.count(label)
+        why, fix = ((f"--val-list {val_list} lists none of its {count}", "list some of them there") if val_list else
+                    (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
+        notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
+                     f"{fix}")
+    return DataSplit(train_images, train_labels, val_images, val_labels, classes, list(skipped), dict(skipped), notes)
 
 
 def split_by_class(images, labels, classes, val_rate, seed):
@@ -167,7 +178,8 @@ def _read_label_file(path, flag):
     folder = os.path.dirname(os.path.abspath(path))
     rows, seen = [], {}
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        # surrogateescape: a listed name that is not UTF-8 is read as the file system holds it
+        with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
             reader = csv.reader(f)
             header = [h.strip() for h in next(reader, [])]
             if header != ["path", "label"]:
@@ -184,7 +196,7 @@ def _read_label_file(path, flag):
                     raise UserError(f"{flag} {path}, line {reader.line_num}: {image} is listed already on line "
                                     f"{seen[image]}; list each image once")
                 seen[image] = reader.line_num
-                if not os.path.isfile(image):
+                if no_file_at(image):
                     raise UserError(f"{flag} {path}, line {reader.line_num}: {image}: no such file; fix the "
                                     "path (relative to the CSV's folder) or remove the line")
                 rows.append((image, row[1].strip(), reader.line_num))
@@ -196,17 +208,18 @@ def _read_label_file(path, flag):
 
 
 def _readable_rows(rows, classes, path, flag):
-    """Images and labels of the rows whose file opens as an image, and the skipped files."""
-    images, labels, skipped = [], [], []
+    """Images and labels of the rows whose file opens as an image, and {skipped file: why}."""
+    images, labels, skipped = [], [], {}
     for image, name, line in rows:
         if name not in classes:
             raise UserError(f"{flag} {path}, line {line}: class {name!r} is not one of the training classes "
                             f"{classes}; fix the label or add the class to --train-list")
-        if is_readable_image(image):
+        reason = unreadable_reason(image)
+        if reason is None:
             images.append(image)
             labels.append(classes.index(name))
         else:
-            skipped.append(image)
+            skipped[image] = reason
     return images, labels, skipped
 
 
@@ -239,12 +252,12 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
                 raise UserError(f"--val-list {val_list}, line {line}: {image} is in --train-list too (line "
                                 f"{in_train[image]}); validate on images the model does not train on")
         val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list")
-        skipped += val_skipped
+        skipped.update(val_skipped)
     if not val_images:
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
                         "raise --val-rate or give --val-list" if val_list is None else
                         f"--val-list {val_list}: none of its images can be read")
-    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate)
+    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate, val_list)
 
 
 def stack_batch(batch):

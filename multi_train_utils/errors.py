@@ -28,13 +28,42 @@ class RankError(UserError):
     rank_specific = True
 
 
+class MidRunError(RankError):
+    """A fault in the middle of a run (an image file gone): its line ends with how to resume,
+    once the training script has said how (``set_resume_hint``)."""
+
+
+_resume_hint = []  # [text] once a training run has set it
+
+
+def set_resume_hint(text):
+    """What a MidRunError's line adds: how to continue from the last finished epoch."""
+    _resume_hint[:] = [text]
+
+
+def printable(text):
+    """``text`` safe to print and log: bytes of a file name that are not UTF-8 (which Python
+    holds as lone surrogates) shown as ``\\xe9`` escapes instead of failing the write."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")  # the name's bytes, as on disk
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "backslashreplace")
+        return raw.decode("utf-8", "backslashreplace")
+
+
 def _one_line(error):
     """The message; a worker-raised error carries the worker's traceback text: keep its last line."""
     text = str(error).strip()
     line = text.splitlines()[-1] if text else type(error).__name__
     for prefix in (f"{type(error).__module__}.{type(error).__name__}: ", f"{type(error).__name__}: "):
         line = line.removeprefix(prefix)
-    return line
+    if isinstance(error, MidRunError) and _resume_hint:
+        line = f"{line}; {_resume_hint[0]}"
+    return printable(line)
 
 
 def report_error(error):

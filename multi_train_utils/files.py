@@ -50,8 +50,8 @@ def write_json_atomic(obj, path):
 
 
 def write_text_atomic(text, path):
-    """Write a text file atomically."""
-    write_bytes_atomic(text.encode(), path)
+    """Write a text file (UTF-8) atomically; a file or class name that is not UTF-8 keeps its own bytes."""
+    write_bytes_atomic(text.encode("utf-8", "surrogateescape"), path)
 
 
 def write_bytes_atomic(data, path):

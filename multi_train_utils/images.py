@@ -1,12 +1,15 @@
 """The image pipeline: decoding, transforms, and normalisation on the device.
 
-Files are decoded to uint8 tensors, augmented (train) or resized and cropped (val) as uint8,
-and normalised with ImageNet's mean and std on the device; training, evaluation,
-predict.py, export.py and benchmark.py all use this one."""
+Files are decoded to uint8 tensors, upright as their EXIF orientation says (a phone's
+portrait photo), augmented (train) or resized and cropped (val) as uint8, and normalised
+with ImageNet's mean and std on the device; training, evaluation, predict.py, export.py and
+benchmark.py all use this one."""
+import inspect
 import io
+import re
 
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
@@ -14,8 +17,10 @@ try:  # deprecated since torchvision 0.29 in favour of TorchCodec; PIL decodes i
     from torchvision.io import ImageReadMode, decode_jpeg
 except ImportError:
     decode_jpeg = None
+if decode_jpeg is not None and "apply_exif_orientation" not in inspect.signature(decode_jpeg).parameters:
+    decode_jpeg = None  # an older torchvision would decode portrait photos sideways: PIL decodes them
 
-from multi_train_utils.errors import RankError
+from multi_train_utils.errors import MidRunError, RankError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -24,14 +29,50 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 
 # --- Decoding -----------------------------------------------------------------------------------
 
+def too_many_pixels(error):
+    """Why PIL refuses an image as a possible decompression bomb (its DecompressionBombError)."""
+    found = re.search(r"\((\d+) pixels\)", str(error))
+    size = f"{int(found.group(1)):,} pixels, " if found else ""
+    return (f"too many pixels ({size}more than PIL's limit of {2 * Image.MAX_IMAGE_PIXELS:,}, twice "
+            "PIL.Image.MAX_IMAGE_PIXELS, against decompression bombs); shrink or remove the image")
+
+
+def unreadable_reason(path):
+    """None if PIL recognises ``path`` as an image (from its header: cheap, the pixels are not
+    decoded), else why not, as the end of a line ``skipping PATH: ...``."""
+    try:
+        with Image.open(path) as img:
+            img.verify()
+        return None
+    except Image.DecompressionBombError as e:
+        return "not a readable image: " + too_many_pixels(e)
+    except OSError as e:
+        if e.errno is not None:  # the file itself cannot be opened: a symlink loop, no permission
+            return f"cannot be read ({e.strerror})"
+        return "not a readable image"
+    except Exception:  # PIL raises many types for a broken file
+        return "not a readable image"
+
+
+def upright(img):
+    """A PIL image turned as its EXIF orientation says; as stored if its EXIF cannot be parsed
+    (torchvision's JPEG decoder ignores such EXIF too)."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:  # PIL raises several types for malformed EXIF
+        return img
+
+
 def load_rgb(path):
-    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...).
+    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...), upright as its
+    EXIF orientation says.
 
     Transparent pixels are put on a white background rather than whatever colour they hide.
     """
     try:
         with Image.open(path) as img:
             img.load()
+            img = upright(img)
             if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
                 rgba = img.convert("RGBA")
                 background = Image.new("RGB", rgba.size, (255, 255, 255))
@@ -42,33 +83,47 @@ def load_rgb(path):
             if img.mode == "I":  # 16-bit grayscale: keep the top 8 bits
                 img = img.point(lambda v: v / 256).convert("L")
             return img.convert("RGB")
+    except Image.DecompressionBombError as e:
+        raise RankError(f"cannot decode image {path}: {too_many_pixels(e)}") from None
     except (OSError, ValueError, SyntaxError) as e:
         raise RankError(f"cannot decode image {path} ({e}); delete or replace the file") from None
 
 
 def read_image_uint8(path, keep_side=None):
-    """An image file as a uint8 RGB tensor (3, H, W).
+    """An image file as a uint8 RGB tensor (3, H, W), upright as its EXIF orientation says.
 
     JPEGs are decoded by torchvision.io (libjpeg-turbo, straight into a tensor); other
     formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
     is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
-    the JPEG decoder) with its shorter side still at least ``keep_side``.
+    the JPEG decoder) with its shorter side still at least ``keep_side``. A file that is gone
+    or cannot be opened is a MidRunError naming it.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    data = _read_bytes(path)
     if data.startswith(JPEG_MAGIC) and decode_jpeg is not None:
         if keep_side:
-            reduced = _decode_jpeg_reduced(data, keep_side)
+            reduced = _decode_jpeg_reduced(data, keep_side, path)
             if reduced is not None:
                 return reduced
         try:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                               apply_exif_orientation=True)
         except RuntimeError:
             pass  # a JPEG libjpeg-turbo refuses: PIL decodes it, or names the file in its error
     return pil_to_tensor(load_rgb(path))
 
 
-def _decode_jpeg_reduced(data, keep_side):
+def _read_bytes(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise MidRunError(f"image {path} is gone (deleted or moved after the data was listed); put it back, "
+                          "or take it out of the data") from None
+    except OSError as e:
+        raise MidRunError(f"image {path} cannot be read ({e.strerror}); fix it or take it out of the data") from None
+
+
+def _decode_jpeg_reduced(data, keep_side, path):
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
@@ -76,7 +131,9 @@ def _decode_jpeg_reduced(data, keep_side):
                 return None
             scale = keep_side / min(width, height)
             img.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
-            return pil_to_tensor(img.convert("RGB"))
+            return pil_to_tensor(upright(img).convert("RGB"))
+    except Image.DecompressionBombError as e:
+        raise RankError(f"cannot decode image {path}: {too_many_pixels(e)}") from None
     except (OSError, ValueError, SyntaxError):
         return None  # undecodable: the full-size path reports it
 

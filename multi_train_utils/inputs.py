@@ -4,6 +4,7 @@ The data (made or downloaded first if asked, split, checked against the flags), 
 --resume and --output-dir.
 """
 import glob
+import hashlib
 import numbers
 import os
 from typing import NamedTuple, Optional
@@ -12,7 +13,7 @@ import torch
 
 from model import read_weights
 from multi_train_utils.checkpoint import check_resume_compatible, find_resume_checkpoint
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import UserError, set_resume_hint
 from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker, download_flower_photos,
                                             make_demo_dataset, wait_for_folder)
 from multi_train_utils.run_files import check_output_dir, read_run_classes
@@ -37,15 +38,47 @@ def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True, 
         resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
         if not args.eval_only:  # before --download or --demo fetch or write anything
             check_output_dir(args.output_dir, args.overwrite, resume_path)
+            set_resume_hint(resume_hint(args))  # what a fault mid-run (an image gone) adds to its line
         data = load_data(args, build_datasets, local_rank, world_size)
         if checkpoint is not None:
             check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
+            if verbose:
+                warn_if_files_changed(checkpoint, resume_path, data)
         weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
     except BaseException:
         if lock is not None:
             lock.discard()
         raise
     return RunInputs(data, weights, resume_path, checkpoint, lock)
+
+
+def file_list_fingerprint(data):
+    """{"train": count, "val": count, "sha1": of every (split, label, path)}: which files the
+    run trains and validates on, for the checkpoint; paths are taken relative to the folder
+    that holds them all, so moving the data elsewhere changes nothing. None for datasets
+    other than the built-in MyDataSet (no list of files)."""
+    if not (isinstance(data.train, MyDataSet) and isinstance(data.val, MyDataSet)):
+        return None
+    items = [(split, label, os.path.abspath(path)) for split, dataset in (("train", data.train), ("val", data.val))
+             for path, label in zip(dataset.images_path, dataset.images_class)]
+    if not items:
+        return None
+    top = os.path.commonpath([os.path.dirname(path) for _, _, path in items])
+    digest = hashlib.sha1()
+    for split, label, path in sorted((s, int(y), os.path.relpath(p, top)) for s, y, p in items):
+        digest.update(f"{split}\t{label}\t{path}\n".encode("utf-8", "surrogateescape"))
+    return {"train": len(data.train), "val": len(data.val), "sha1": digest.hexdigest()}
+
+
+def warn_if_files_changed(checkpoint, path, data):
+    """A warning when the data's files differ from those of the run the checkpoint continues
+    (a checkpoint written before the fingerprint existed: nothing to compare)."""
+    before, now = checkpoint.get("file_list"), file_list_fingerprint(data)
+    if isinstance(before, dict) and now is not None and before != now:
+        print(f"warning: --resume {path}: the data's files are not those the checkpoint was trained on "
+              f"({before.get('train')} train + {before.get('val')} val images then, {now['train']} + {now['val']} "
+              "now: files were added, removed, renamed or moved); training goes on with the files as they are now, "
+              "so the run will not repeat the original exactly", flush=True)
 
 
 def resume_hint(args):

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.errors import UserError, printable, run_cli
 from multi_train_utils.files import write_bytes_atomic, write_text_atomic
 from multi_train_utils.run_files import read_metrics
 
@@ -43,6 +43,11 @@ def save_figure(fig, path, writer=None, tag=None, step=0):
     return path
 
 
+def drawable(names):
+    """Names matplotlib can draw: bytes of a name that are not UTF-8 shown as escapes."""
+    return [printable(name) for name in names]
+
+
 def _class_ticks(axis, classes, rotate=False):
     """Class names as the tick labels of ``axis`` (ax.xaxis or ax.yaxis), unless there are too many.
     On the x axis, rotated names end at their tick; on the y axis names end left of the plot."""
@@ -58,6 +63,7 @@ def _class_ticks(axis, classes, rotate=False):
 
 def plot_class_distribution(classes, train, val):
     """Bar chart of the images per class (``train``, ``val``: counts in class order)."""
+    classes = drawable(classes)
     fig = _figure(max(6, 0.8 * len(classes)), 4)
     ax = fig.subplots()
     x = range(len(classes))
@@ -75,6 +81,7 @@ def plot_class_distribution(classes, train, val):
 def plot_batch_preview(images, labels, classes):
     """A grid of augmented training images (uint8, or float in [0, 1], as the loader gives
     them) with class names."""
+    classes = drawable(classes)
     n = len(images)
     cols = min(8, n)
     rows = (n + cols - 1) // cols
@@ -109,6 +116,7 @@ def plot_training_curves(rows):
 def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
     """Counts of true class (rows) against predicted class (columns); confusion_matrix.csv
     holds the exact numbers when there are too many classes to write them in."""
+    classes = drawable(classes)
     size = max(4, 0.6 * len(classes) + 2)
     fig = _figure(size, size)
     ax = fig.subplots()
@@ -125,7 +133,7 @@ def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
                 ax.text(j, i, value, ha="center", va="center", fontsize=8,
                         color="white" if value > peak / 2 else "black")
     accuracy = confusion.diag().sum() / max(1, int(confusion.sum()))
-    ax.set_title(f"{title} (accuracy {accuracy:.4f})")
+    ax.set_title(printable(f"{title} (accuracy {accuracy:.4f})"))
     return fig
 
 

@@ -25,8 +25,10 @@ class RunRecorder:
     checkpoint and rewrites what came after it.
     """
 
-    def __init__(self, args, classes, world_size=1, enabled=True, checkpoint=None, resume_path=None, run_log=None):
+    def __init__(self, args, classes, world_size=1, enabled=True, checkpoint=None, resume_path=None, run_log=None,
+                 file_list=None):
         self.enabled = enabled
+        self.file_list = file_list  # which files it trains on (inputs.file_list_fingerprint): a resume compares
         self.args = args
         self.classes = classes
         self.world_size = world_size
@@ -110,6 +112,7 @@ class RunRecorder:
             "metrics": self.rows,
             "args": args_to_dict(self.args),
             "classes": list(self.classes),
+            "file_list": self.file_list,
             "world_size": self.world_size,
             "log_dir": self.log_dir,
             "rng": rng_state(),

@@ -2,6 +2,8 @@
 import io
 import sys
 
+from multi_train_utils.errors import printable
+
 
 def _last_state(line):
     """A line redrawn with carriage returns (a progress bar): what it showed last."""
@@ -17,14 +19,20 @@ class _Tee(io.TextIOBase):
         self.line = ""
 
     def write(self, text):
-        self.stream.write(text)
+        length = len(text)
+        text = printable(text)  # a file or class name that is not UTF-8: escaped, never an error
+        try:
+            self.stream.write(text)
+        except UnicodeEncodeError:  # a terminal that cannot show every character (an ASCII locale)
+            encoding = self.stream.encoding or "ascii"
+            self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
         *complete, self.line = (self.line + text).split("\n")
         head, sep, _ = self.line.rstrip("\r").rpartition("\r")
         if sep:  # keep only the latest redraw of an unfinished line
             self.line = self.line[len(head) + 1:]
         if complete:
             self.log.write("".join(_last_state(line) + "\n" for line in complete))
-        return len(text)
+        return length
 
     def finish(self):
         if _last_state(self.line).strip():

@@ -68,8 +68,11 @@ def print_data_summary(args, data):
     """Rank 0's description of the data: images per class and split sizes, skipped files."""
     if not args.demo and not args.train_list and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
         print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
+    reasons = getattr(data, "skip_reasons", None) or {}
     for path in data.skipped:
-        print(f"warning: skipping {path}: not a readable image", flush=True)
+        print(f"warning: skipping {path}: {reasons.get(path, 'not a readable image')}", flush=True)
+    for note in getattr(data, "notes", ()):
+        print(f"warning: {note}", flush=True)
     if args.train_list:
         where = args.train_list + (f" + {args.val_list} (validation)" if args.val_list else "")
     else:

@@ -21,6 +21,8 @@ Environment:
   PROBE_HANG_RANK R: rank R stops responding at its first training step
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
+  PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
+                  vanishes while the run uses it)
 Probes live here, not in the product's flags.
 """
 import importlib
@@ -92,6 +94,9 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwarg
         time.sleep(3600)
     if epoch == 0:
         record["after_wrap"] = checksum(model)
+    remove_epoch, _, remove_path = os.environ.get("PROBE_REMOVE_AT_EPOCH", "").partition(":")
+    if remove_path and epoch == int(remove_epoch) and rank == 0:
+        os.remove(remove_path)
     record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
     stats = real_train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs)
     if os.environ.get("PROBE_SKEW_BN") == "1" and rank != 0:
