@@ -65,8 +65,8 @@ def _disk_full_reason(error):
 
 
 def _allocation_size(text):
-    """"30.0 GB" from an allocator's "tried to allocate 30000000000 bytes" (CPU) or
-    "Tried to allocate 20.00 GiB" (CUDA); "" if the text does not say."""
+    """" of 30.0 GB" from an allocator's "tried to allocate 30000000000 bytes" (CPU), " of
+    20.00 GiB" from "Tried to allocate 20.00 GiB" (CUDA); "" if the text does not say."""
     match = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]i?B)", text)
     if not match:
         return ""

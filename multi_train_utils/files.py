@@ -85,10 +85,10 @@ NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a 
 TEXT = (lambda v: isinstance(v, str), "a string")
 TEXT_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")
 MAPPING = (lambda v: isinstance(v, dict), "a dict")
-MAPPING_OR_NULL = (lambda v: v is None or isinstance(v, dict), "a dict or None")
+MAPPING_OR_NULL = (lambda v: v is None or isinstance(v, dict), "a dict or null")
 TEXT_LIST = (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of strings")
 ROWS = (lambda v: isinstance(v, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in v), "a list of rows")
-TENSOR_OR_NULL = (lambda v: v is None or torch.is_tensor(v), "a tensor or None")
+TENSOR_OR_NULL = (lambda v: v is None or torch.is_tensor(v), "a tensor or null")
 STATE_DICT = (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
               "a dict of parameter names to tensors")
 

@@ -305,7 +305,8 @@ def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fa
 
 def test_a_batch_of_one_at_32_px_stops_before_anything_is_written(tiny_data, tmp_path):
     out = tmp_path / "out"
-    result = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--batch-size", "1", "--workers", "0")])
+    result = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--batch-size", "1",
+                                                                  "--workers", "0")])
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --batch-size 1 at --img-size 32: in training, "
