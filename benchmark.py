@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from model import create_model
+from model import check_input_size, create_model
 from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
                                                  select_device)
 from multi_train_utils.errors import UserError, run_cli
@@ -296,6 +296,7 @@ def main(argv=None):
         for key, value in QUICK.items():
             if key not in given:
                 setattr(args, key, value)
+    check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
     device = select_device(args.device)
     configure_cpu_threads(device)
     configure_backends(device)

@@ -1,4 +1,5 @@
 """Build a torchvision classifier, load weights safely, freeze all but the head."""
+import math
 import os
 import re
 
@@ -155,8 +156,78 @@ def count_parameters(model, trainable_only=False):
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def build_model(args, num_classes, weights_state=None, verbose=True):
-    """create_model + initial weights (strict for --eval-only) + --freeze-layers."""
+def _pretrained_size(name):
+    """The image size of torchvision's pretrained weights for model ``name`` (224 for most), or None."""
+    try:
+        return int(torchvision.models.get_model_weights(name).DEFAULT.transforms().crop_size[0])
+    except Exception:  # no pretrained weights, or transforms of another kind
+        return None
+
+
+def check_input_size(name, img_size, batch_size=1, training=False, freeze_layers=False):
+    """Refuse up front an image size that model ``name`` cannot take, and a training batch in
+    which a BatchNorm would see one value per channel (``batch_size``: the images each
+    BatchNorm sees in a step). A forward pass on the meta device: shapes only, no memory and
+    no arithmetic, so it is exact and cheap."""
+    if img_size == _pretrained_size(name) and not (training and batch_size == 1):
+        return  # the size the model was made for
+    with torch.device("meta"):
+        try:
+            model = create_model(name, 2)
+        except NotImplementedError:  # a model whose construction computes on tensors: cannot check
+            return
+    fixed = getattr(model, "image_size", None)  # torchvision's ViTs: position embeddings of one size
+    if isinstance(fixed, int) and fixed != img_size:
+        raise UserError(f"--img-size {img_size}: {name} takes only {fixed} px images; use --img-size {fixed}")
+    if freeze_layers:
+        freeze_all_but_head(model)  # frozen BatchNorm stays in eval mode in training
+    if training:
+        set_train_mode(model)
+    else:
+        model.eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.forward = _batch_norm_shape_check(module)
+    try:
+        model(torch.empty(batch_size, 3, img_size, img_size, device="meta"))
+    except Exception as e:
+        _explain_forward_error(e, name, img_size, batch_size)
+
+
+def _batch_norm_shape_check(module):
+    """A BatchNorm's forward for the meta device: only the check that torch's batch_norm makes
+    in training (its statistics would be computed step by step in Python there: slow)."""
+    def forward(x):
+        if (module.training or module.running_mean is None) and x.shape[0] * math.prod(x.shape[2:]) == 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
+        return x
+
+    return forward
+
+
+def _explain_forward_error(error, name, img_size, batch_size):
+    """Raise a UserError for what check_input_size's forward pass met, unless it is a limit of
+    the meta device (then the check is skipped)."""
+    text = str(error).strip()
+    if isinstance(error, NotImplementedError) or "meta" in text or not isinstance(
+            error, (RuntimeError, ValueError, AssertionError, IndexError)):
+        return
+    if "Expected more than 1 value per channel" in text:
+        raise UserError(f"--batch-size {batch_size} at --img-size {img_size}: in training, {name}'s normalisation "
+                        "layers would see a single value per channel (its feature maps shrink to 1x1); use "
+                        "--batch-size 2 or more, or a larger --img-size") from None
+    native = _pretrained_size(name)
+    hint = f"use --img-size {native} (the size of its pretrained weights)" if native else "use a larger --img-size"
+    first = text.splitlines()[0] if text else type(error).__name__
+    raise UserError(f"--img-size {img_size}: {name} cannot take {img_size} px images ({first}); {hint}") from None
+
+
+def build_model(args, num_classes, weights_state=None, verbose=True, norm_batch=None):
+    """check_input_size + create_model + initial weights (strict for --eval-only) +
+    --freeze-layers. ``norm_batch``: the images each BatchNorm sees in a training step
+    (default --batch-size; more with SyncBatchNorm over several processes)."""
+    check_input_size(args.model, args.img_size, norm_batch or args.batch_size, training=not args.eval_only,
+                     freeze_layers=args.freeze_layers)
     model = create_model(args.model, num_classes)
     if weights_state is not None:
         if args.eval_only:

@@ -81,13 +81,14 @@ def main(argv=None):
         train_loader = make_loader(train_set, train_batch_sampler, workers, device)
         val_loader = make_loader(val_set, val_batch_sampler, workers, device)
 
+        # 3. SyncBatchNorm: batch statistics over all GPUs (on by default there; torch has it for GPUs only).
+        sync_bn = use_sync_bn(args.sync_bn, device, env.distributed, verbose=is_main)
         torch.manual_seed(args.seed)
-        model = build_model(args, num_classes, weights_state, verbose=is_main)  # freezes before the DDP wrap
+        model = build_model(args, num_classes, weights_state, verbose=is_main,  # freezes before the DDP wrap
+                            norm_batch=args.batch_size * (env.world_size if sync_bn else 1))
         if checkpoint is not None:
             model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
-
-        # 3. SyncBatchNorm: batch statistics over all GPUs (on by default there; torch has it for GPUs only).
-        if use_sync_bn(args.sync_bn, device, env.distributed, verbose=is_main):
+        if sync_bn:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         model.to(device)
         model, channels_last = optimize_model(model, args, device, verbose=is_main)  # --grad-checkpoint, --compile
@@ -120,17 +121,19 @@ def main(argv=None):
             print_start_summary(args, data, device, settings, model, lr, workers, recorder.log_dir,
                                 env.world_size, env.launcher, backend or "-")
             recorder.plot_data(data, train_set)
-        for epoch in range(start_epoch, args.epochs):
-            start = time.perf_counter()
-            seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
-            train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
-            # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
-            train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler, settings)
-            result = evaluate(model, val_loader, device, num_classes, settings)
-            # 7. Rank 0 saves the checkpoint, the epoch's weights and metrics.csv (the others skip it).
-            recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
-                               time.perf_counter() - start)
-        recorder.finish()  # curves, confusion matrix, end summary
+        with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
+            for epoch in range(start_epoch, args.epochs):
+                start = time.perf_counter()
+                seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
+                train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
+                # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
+                train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler,
+                                              settings)
+                result = evaluate(model, val_loader, device, num_classes, settings)
+                # 7. Rank 0 saves the checkpoint, the epoch's weights and metrics.csv (the others skip it).
+                recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
+                                   time.perf_counter() - start)
+            recorder.finish()  # curves, confusion matrix, end summary
     finally:
         cleanup()  # 8. every process leaves the process group, also on error
 

@@ -79,15 +79,17 @@ def main(argv=None):
                            run_log=run_log, file_list=file_list_fingerprint(data))
     print_start_summary(args, data, device, settings, model, args.lr, workers, recorder.log_dir)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
-    for epoch in range(start_epoch, args.epochs):
-        start = time.perf_counter()
-        seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
-        train_sampler.set_epoch(epoch)
-        train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler, settings)
-        result = evaluate(model, val_loader, device, num_classes, settings)
-        recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
-                           time.perf_counter() - start)
-    recorder.finish()  # curves, confusion matrix, end summary
+    with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
+        for epoch in range(start_epoch, args.epochs):
+            start = time.perf_counter()
+            seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
+            train_sampler.set_epoch(epoch)
+            train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler,
+                                          settings)
+            result = evaluate(model, val_loader, device, num_classes, settings)
+            recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
+                               time.perf_counter() - start)
+        recorder.finish()  # curves, confusion matrix, end summary
 
 
 def wrap_data_parallel(model, device):

@@ -9,11 +9,17 @@ import tempfile
 
 import torch
 
-from multi_train_utils.errors import UserError
-from multi_train_utils.files import safe_load, save_atomic
+from multi_train_utils.errors import UserError, disk_full_error
+from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT_LIST,
+                                    TEXT_OR_NULL, WHOLE_NUMBER, check_fields, safe_load, save_atomic)
 
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
+# What a resumed run reads from a checkpoint, and of which kind each must be.
+CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_NUMBER, "classes": TEXT_LIST,
+                     "args": MAPPING, "metrics": ROWS, "best_accuracy": NUMBER, "best_epoch": WHOLE_NUMBER,
+                     "best_confusion": TENSOR_OR_NULL, "log_dir": TEXT_OR_NULL, "world_size": WHOLE_NUMBER,
+                     "scaler": MAPPING_OR_NULL, "rng": MAPPING}
 
 
 def resumes_in(resume_path, output_dir):
@@ -35,9 +41,12 @@ def _keep_previous(path, previous):
         except OSError:
             shutil.copyfile(path, tmp)
         os.replace(tmp, previous)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        full = disk_full_error(e, previous) if isinstance(e, Exception) else None
+        if full is not None:  # the copy (no hard links here) did not fit
+            raise full from None
         raise
 
 
@@ -50,10 +59,12 @@ def rng_state():
 
 
 def save_checkpoint(output_dir, state):
-    """Write ``checkpoint.pth`` atomically, keeping the previous one as ``checkpoint-prev.pth``."""
-    path = os.path.join(output_dir, CHECKPOINT)
-    _keep_previous(path, os.path.join(output_dir, PREVIOUS_CHECKPOINT))
-    save_atomic(state, path)
+    """Write ``checkpoint.pth`` atomically, keeping the previous one as ``checkpoint-prev.pth``.
+
+    The new checkpoint is written in full first; only then is the old one kept as previous
+    and replaced. A write that fails (a full disk, a crash) leaves both files as they were."""
+    path, previous = os.path.join(output_dir, CHECKPOINT), os.path.join(output_dir, PREVIOUS_CHECKPOINT)
+    save_atomic(state, path, before_replace=lambda: _keep_previous(path, previous))
 
 
 def load_checkpoint(path, flag="--resume"):
@@ -63,6 +74,8 @@ def load_checkpoint(path, flag="--resume"):
     if not isinstance(checkpoint, dict) or not needed <= set(checkpoint):
         raise UserError(f"{flag} {path}: not a full checkpoint (needs {sorted(needed)}); "
                         "to start from weights alone use --weights")
+    check_fields(checkpoint, CHECKPOINT_FIELDS, f"{flag} {path}",
+                 "not a checkpoint as this template writes it: resume from another, or start over with --overwrite")
     return checkpoint
 
 
@@ -129,20 +142,28 @@ def restore_training_state(checkpoint, optimizer, base_lr, scaler=None):
         return 0
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--resume: the checkpoint's optimizer state does not fit this model ({e})") from None
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"] = base_lr
     if scaler is not None and scaler.is_enabled() and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])  # else (another --amp before) it starts afresh
-    rng = checkpoint.get("rng") or {}
+    try:
+        _restore_rng(checkpoint.get("rng") or {})
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise UserError(f"--resume: the checkpoint's random generator states cannot be restored ({e}); "
+                        "resume from another checkpoint, or start over with --overwrite") from None
+    return int(checkpoint["epoch"]) + 1
+
+
+def _restore_rng(rng):
+    """The random generators' states as rng_state saved them."""
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])
     if "python" in rng:
         random.setstate(_as_tuple(rng["python"]))
     if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(checkpoint["epoch"]) + 1
 
 
 def _as_tuple(value):

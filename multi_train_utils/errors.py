@@ -1,8 +1,11 @@
 """User-facing errors: one clear line and a non-zero exit, never a traceback."""
+import errno
 import os
+import re
 import signal
 import sys
 
+import torch
 import torch.distributed as dist
 
 from multi_train_utils.signals import TrainingInterrupted
@@ -29,16 +32,8 @@ class RankError(UserError):
 
 
 class MidRunError(RankError):
-    """A fault in the middle of a run (an image file gone): its line ends with how to resume,
-    once the training script has said how (``set_resume_hint``)."""
-
-
-_resume_hint = []  # [text] once a training run has set it
-
-
-def set_resume_hint(text):
-    """What a MidRunError's line adds: how to continue from the last finished epoch."""
-    _resume_hint[:] = [text]
+    """A fault in the middle of a run (an image file gone): the training script's recorder
+    adds which checkpoint is intact and how to resume (``RunRecorder.explain_faults``)."""
 
 
 def printable(text):
@@ -55,14 +50,91 @@ def printable(text):
         return raw.decode("utf-8", "backslashreplace")
 
 
+class ResourceError(MidRunError):
+    """The machine ran out of something (disk space, memory) while this rank worked. A
+    training run adds which checkpoint is intact and how to resume."""
+
+
+# What a full disk and exhausted memory say, also where only the text of an error survives
+# (an error re-raised from a DataLoader worker, one raised by C++ code).
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
+_OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "out of memory", "not enough memory", "Cannot allocate memory")
+
+
+def _chain(error):
+    """``error`` and the errors it was raised from or while handling (``__cause__``, an
+    unsuppressed ``__context__``): torch.save's own error hides the OSError of the write there."""
+    seen = []
+    while error is not None and all(error is not e for e in seen):
+        seen.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return seen
+
+
+def _disk_full_reason(error):
+    """"No space left on device" or "Disk quota exceeded" if that is what ``error`` comes from, else None."""
+    for e in _chain(error):
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return os.strerror(e.errno)
+        found = [text for text in _DISK_FULL_TEXTS if text in str(e)]
+        if found:
+            return found[0]
+    return None
+
+
+def _allocation_size(text):
+    """" of 30.0 GB" from an allocator's "tried to allocate 30000000000 bytes" (CPU), " of
+    20.00 GiB" from "Tried to allocate 20.00 GiB" (CUDA); "" if the text does not say."""
+    match = re.search(r"[Tt]ried to allocate ([\d.]+) ?(bytes|[KMGT]i?B)", text)
+    if not match:
+        return ""
+    if match.group(2) == "bytes":
+        return f" of {int(float(match.group(1))) / 1e9:.1f} GB"
+    return f" of {match.group(1)} {match.group(2)}"
+
+
+def _is_out_of_memory(error):
+    """Whether ``error`` comes from an allocation that failed (CPU, CUDA, MPS or Python's own)."""
+    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+    return any(isinstance(e, (MemoryError, out_of_memory)) or
+               (isinstance(e, RuntimeError) and any(text in str(e) for text in _OUT_OF_MEMORY_TEXTS))
+               for e in _chain(error))
+
+
+def disk_full_error(error, path=None):
+    """``error`` as a ResourceError naming the file (``path``, if given) if it comes from a
+    full disk, else None."""
+    if isinstance(error, ResourceError):
+        return error  # already named its file
+    reason = _disk_full_reason(error)
+    if reason is None:
+        return None
+    path = path or next((e.filename for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+    return ResourceError(f"disk full: could not write {path or 'a file'} ({reason}); free space on that disk")
+
+
+def resource_error(error):
+    """``error`` as one ResourceError saying what to do, if it comes from a full disk or from
+    exhausted memory; else None."""
+    if isinstance(error, ResourceError):
+        return error
+    full = disk_full_error(error)
+    if full is not None:
+        return full
+    if _is_out_of_memory(error):
+        size = _allocation_size("\n".join(str(e) for e in _chain(error)))
+        return ResourceError(f"out of memory: could not allocate a block{size}; use a smaller --batch-size or "
+                             "--img-size")
+    return None
+
+
 def _one_line(error):
     """The message; a worker-raised error carries the worker's traceback text: keep its last line."""
     text = str(error).strip()
     line = text.splitlines()[-1] if text else type(error).__name__
     for prefix in (f"{type(error).__module__}.{type(error).__name__}: ", f"{type(error).__name__}: "):
         line = line.removeprefix(prefix)
-    if isinstance(error, MidRunError) and _resume_hint:
-        line = f"{line}; {_resume_hint[0]}"
     return printable(line)
 
 
@@ -92,9 +164,9 @@ def _collective_failure(error):
 
 
 def run_cli(main, argv=None):
-    """Run an entry script's ``main(argv)``: a UserError becomes one line and exit code 2;
-    a collective that lost its peer one line and exit code 1; Ctrl-C / SIGTERM one line on
-    how to resume (rank 0) and exit code 128 + the signal number."""
+    """Run an entry script's ``main(argv)``: a UserError, a full disk or exhausted memory
+    becomes one line and exit code 2; a collective that lost its peer one line and exit code
+    1; Ctrl-C / SIGTERM one line on how to resume (rank 0) and exit code 128 + the signal number."""
     try:
         main(argv)
     except UserError as e:
@@ -105,6 +177,10 @@ def run_cli(main, argv=None):
             print(f"\ninterrupted by {signal.Signals(e.signum).name}: {e.message}", file=sys.stderr, flush=True)
         sys.exit(128 + e.signum)
     except Exception as e:
+        fault = resource_error(e)
+        if fault is not None:
+            report_error(fault)
+            sys.exit(EXIT_USER_ERROR)
         message = _collective_failure(e)
         if message is None:
             raise

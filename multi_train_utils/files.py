@@ -8,14 +8,16 @@ import tempfile
 
 import torch
 
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import UserError, disk_full_error
 
 
-def _atomic_write(path, write):
-    """Write via a temporary file in the same folder, fsync, then rename over ``path``.
+def _atomic_write(path, write, before_replace=None):
+    """Write via a temporary file in the same folder, fsync, call ``before_replace()`` (if
+    given), then rename over ``path``.
 
-    A crash at any point leaves either the old file or the new one, never half of one.
-    The temporary name is unique, so concurrent runs never collide.
+    A crash at any point leaves either the old file or the new one, never half of one, and
+    no temporary file; a full disk is a ResourceError naming ``path``. The temporary name is
+    unique, so concurrent runs never collide.
     """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -26,10 +28,15 @@ def _atomic_write(path, write):
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        full = disk_full_error(e, path) if isinstance(e, Exception) else None
+        if full is not None:
+            raise full from None
         raise
 
 
@@ -39,9 +46,9 @@ def _umask():
     return mask
 
 
-def save_atomic(obj, path):
-    """``torch.save`` that never leaves a half-written file behind."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+def save_atomic(obj, path, before_replace=None):
+    """``torch.save`` that never leaves a half-written file behind (``before_replace``: see _atomic_write)."""
+    _atomic_write(path, lambda f: torch.save(obj, f), before_replace)
 
 
 def write_json_atomic(obj, path):
@@ -66,6 +73,35 @@ def read_json(path, hint="fix or delete it"):
             return json.load(f)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot be read as JSON ({e}); {hint}") from None
+
+
+def _is_whole(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# Kinds of values in a run's files: (test, how an error message names the kind).
+WHOLE_NUMBER = (_is_whole, "a whole number")
+NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+TEXT = (lambda v: isinstance(v, str), "a string")
+TEXT_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")
+MAPPING = (lambda v: isinstance(v, dict), "a dict")
+MAPPING_OR_NULL = (lambda v: v is None or isinstance(v, dict), "a dict or null")
+TEXT_LIST = (lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v), "a list of strings")
+ROWS = (lambda v: isinstance(v, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in v), "a list of rows")
+TENSOR_OR_NULL = (lambda v: v is None or torch.is_tensor(v), "a tensor or null")
+STATE_DICT = (lambda v: isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items()),
+              "a dict of parameter names to tensors")
+
+
+def check_fields(values, kinds, where, hint):
+    """Every field of ``values`` named in ``kinds`` ({field: kind}) that is there must be of
+    that kind; else a UserError naming ``where`` and the field, and saying ``hint``."""
+    for field, (test, description) in kinds.items():
+        if field in values and not test(values[field]):
+            shown = repr(values[field])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise UserError(f'{where}: its "{field}" is {shown} ({type(values[field]).__name__}), not '
+                            f"{description}; {hint}")
 
 
 def safe_load(path, flag, what):

@@ -13,7 +13,7 @@ import torch
 
 from model import read_weights
 from multi_train_utils.checkpoint import check_resume_compatible, find_resume_checkpoint
-from multi_train_utils.errors import UserError, set_resume_hint
+from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker, download_flower_photos,
                                             make_demo_dataset, wait_for_folder)
 from multi_train_utils.run_files import check_output_dir, read_run_classes
@@ -38,7 +38,6 @@ def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True, 
         resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
         if not args.eval_only:  # before --download or --demo fetch or write anything
             check_output_dir(args.output_dir, args.overwrite, resume_path)
-            set_resume_hint(resume_hint(args))  # what a fault mid-run (an image gone) adds to its line
         data = load_data(args, build_datasets, local_rank, world_size)
         if checkpoint is not None:
             check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)

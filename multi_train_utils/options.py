@@ -3,6 +3,7 @@
 Those of train_single.py and train_multi_gpu.py, with --demo's defaults and --eval-only's
 run settings, and the trained-model flags of predict.py and export.py."""
 import argparse
+import math
 import os
 
 from multi_train_utils.errors import UserError
@@ -35,6 +36,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def finite_float(text):
+    """argparse type of every float flag: a number, but not nan or inf (which would train on
+    until the loss became nan, after the run's first files were written)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def _demo_defaults_text():
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_DEFAULTS.items())
 
@@ -51,7 +64,7 @@ def get_args_parser(distributed):
     data.add_argument("--val-path", default=None, help="already-split validation folder (same class folders); then --data-path is all training data (default: split --data-path)")
     data.add_argument("--train-list", default=None, metavar="CSV", help="instead of class folders: a CSV file with the header path,label (label: a class name; path: relative to the CSV); the classes are its labels (default: none, use --data-path)")
     data.add_argument("--val-list", default=None, metavar="CSV", help="with --train-list: the validation images, as a CSV like it (default: split --train-list by --val-rate)")
-    data.add_argument("--val-rate", type=float, default=0.2, help="share of each class held out for validation")
+    data.add_argument("--val-rate", type=finite_float, default=0.2, help="share of each class held out for validation")
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of classes in the data; any other value is an error)")
     data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
     data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores)")
@@ -66,11 +79,11 @@ def get_args_parser(distributed):
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=int, default=30, help="number of epochs (counted from 0)")
     optim.add_argument("--batch-size", type=int, default=16, help="images per step per process")
-    optim.add_argument("--lr", type=float, default=0.001, help="initial learning rate" + (" for one process (multiplied by the world size unless --no-scale-lr)" if distributed else ""))
-    optim.add_argument("--lrf", type=float, default=0.1, help="final learning rate as a fraction of --lr (cosine schedule)")
+    optim.add_argument("--lr", type=finite_float, default=0.001, help="initial learning rate" + (" for one process (multiplied by the world size unless --no-scale-lr)" if distributed else ""))
+    optim.add_argument("--lrf", type=finite_float, default=0.1, help="final learning rate as a fraction of --lr (cosine schedule)")
     optim.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear learning-rate warm-up before the cosine schedule")
-    optim.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    optim.add_argument("--weight-decay", type=float, default=0.005, help="SGD weight decay")
+    optim.add_argument("--momentum", type=finite_float, default=0.9, help="SGD momentum")
+    optim.add_argument("--weight-decay", type=finite_float, default=0.005, help="SGD weight decay")
     optim.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights, the data order and the augmentations")
     if distributed:
         optim.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True, help="multiply --lr by the world size (linear scaling rule)")
@@ -80,7 +93,7 @@ def get_args_parser(distributed):
     speed.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None, help="NHWC memory format for model and images (default: on for convolutional nets on CPU and CUDA)")
     speed.add_argument("--compile", action="store_true", help="torch.compile the model (the first steps take a while to compile; checkpoints stay plain)")
     speed.add_argument("--accum-steps", type=int, default=1, metavar="N", help="gradient accumulation: one optimizer step every N batches (effective batch = batch size x N x world size)")
-    speed.add_argument("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradient norm to NORM before each optimizer step (default: no clipping)")
+    speed.add_argument("--clip-grad", type=finite_float, default=None, metavar="NORM", help="clip the gradient norm to NORM before each optimizer step (default: no clipping)")
     speed.add_argument("--grad-checkpoint", action="store_true", help="activation checkpointing over the model's stages: less memory, about a third more compute")
     speed.add_argument("--print-freq", type=int, default=20, metavar="N", help="update the progress bar's loss every N steps (reading the loss waits for the device)")
 
@@ -190,6 +203,8 @@ def check_numbers(args):
     for flag in ("lrf", "momentum", "weight_decay", "warmup_epochs"):
         if getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative")
+    if args.momentum >= 1:
+        raise UserError(f"--momentum {args.momentum}: must be below 1 (at 1 or more the updates grow without end)")
 
 
 def check_data_flags(args, given=()):

@@ -1,9 +1,11 @@
 """What rank 0 writes while training: checkpoint, weights, metrics.csv, args.json, TensorBoard."""
+import contextlib
 import os
 import time
 
 from model import plain_state_dict
-from multi_train_utils.checkpoint import resumes_in, rng_state, save_checkpoint
+from multi_train_utils.checkpoint import CHECKPOINT, resumes_in, rng_state, save_checkpoint
+from multi_train_utils.errors import MidRunError, resource_error
 from multi_train_utils.files import save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
@@ -42,6 +44,8 @@ class RunRecorder:
         self.drawn = []  # the pictures plot_data drew
         self.run_log = run_log
         resuming_here = resumes_in(resume_path, self.output_dir)
+        # The epoch of the checkpoint.pth in --output-dir that a resumed run would start from.
+        self.saved_epoch = int(checkpoint["epoch"]) if checkpoint and resuming_here else None
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
         self.log_dir = checkpoint.get("log_dir") if resuming_here else None
         self.log_dir = self.log_dir or os.path.join(
@@ -84,9 +88,29 @@ class RunRecorder:
         write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
 
+    @contextlib.contextmanager
+    def explain_faults(self):
+        """Around the epochs: a full disk or exhausted memory becomes one line that also says
+        which checkpoint is intact and how to resume."""
+        try:
+            yield
+        except Exception as e:
+            fault = e if isinstance(e, MidRunError) else resource_error(e)  # an image gone, a full disk, ...
+            if fault is None:
+                raise
+            raise type(fault)(f"{fault}; {self.resume_advice()}") from None
+
+    def resume_advice(self):
+        """Which checkpoint of this run is intact, and how to go on from it."""
+        if self.saved_epoch is None:
+            return "no checkpoint was written yet"
+        return (f"{os.path.join(self.output_dir, CHECKPOINT)} (epoch {self.saved_epoch}) is intact: continue from it "
+                "with --resume auto")
+
     def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds):
         """Save the checkpoint, then the epoch's weights, the best weights and metrics.csv."""
         if not self.enabled:
+            self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
             return
         weights = plain_state_dict(model)
         if eval_result.accuracy > self.best_accuracy:
@@ -117,6 +141,7 @@ class RunRecorder:
             "log_dir": self.log_dir,
             "rng": rng_state(),
         })
+        self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights)
         print(f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
               f"({eval_result.correct}/{eval_result.total})  lr: {train_stats.last_lr:.3g}  "

@@ -4,14 +4,14 @@ args.json, class_indices.json and metrics.csv; the guard against overwriting an 
 run; and the trained model of a run (its weights with those files) for predict and export."""
 import csv
 import glob
-import json
 import os
 import re
 
-from model import create_model, load_exact_weights, load_state_dict_file
+from model import check_input_size, create_model, load_exact_weights, load_state_dict_file
 from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
 from multi_train_utils.errors import UserError
-from multi_train_utils.files import read_json, write_json_atomic, write_text_atomic
+from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, read_json,
+                                    write_json_atomic, write_text_atomic)
 
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
@@ -22,6 +22,10 @@ METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_secon
 RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
              CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
              "curves.png", "confusion_matrix.png")
+# The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
+RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
+                      "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
+                      "val_list": TEXT_OR_NULL}
 
 
 # --- An earlier run in --output-dir ---------------------------------------------------------------
@@ -92,19 +96,30 @@ def write_run_settings(output_dir, args, classes):
 
 
 def read_run_args(run_dir, hint="fix or delete it"):
-    """The flags in ``run_dir``'s args.json, or None if there is none."""
+    """The flags in ``run_dir``'s args.json, or None if there is none; a UserError naming the
+    file and the flag if one that is read back is of the wrong kind."""
     path = os.path.join(run_dir, ARGS_FILE)
-    return read_json(path, hint) if os.path.isfile(path) else None
+    if not os.path.isfile(path):
+        return None
+    values = read_json(path, hint)
+    if not isinstance(values, dict):
+        raise UserError(f'{path}: holds a {type(values).__name__}, not the flags of a run ({{"model": ...}}); {hint}')
+    check_fields(values, RUN_ARGS_READ_BACK, path, hint)
+    return values
 
 
 def read_class_indices(path):
     """Class names, in index order, from a ``class_indices.json`` file; a UserError if it is not one."""
-    try:
-        with open(path) as f:
-            mapping = json.load(f)
-        return [mapping[str(i)] for i in range(len(mapping))]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: not a readable class index file ({{\"0\": \"daisy\", ...}}): {e}") from None
+    example = '{"0": "daisy", "1": "roses", ...}'
+    mapping = read_json(path, hint=f"give a class index file like {example}")
+    if not isinstance(mapping, dict) or not mapping:
+        raise UserError(f"{path}: holds {mapping!r:.40}, not a class index file like {example}")
+    missing = [str(i) for i in range(len(mapping)) if str(i) not in mapping]
+    if missing:
+        raise UserError(f'{path}: has no class "{missing[0]}": its keys must run from "0" to "{len(mapping) - 1}" '
+                        f"(like {example})")
+    check_fields(mapping, {str(i): TEXT for i in range(len(mapping))}, path, f"class names are strings ({example})")
+    return [mapping[str(i)] for i in range(len(mapping))]
 
 
 def read_run_classes(run_dir):
@@ -156,6 +171,7 @@ def load_trained_model(args):
     """The trained model of --weights in eval mode, loaded strictly, with its image size and
     class names (from the run's args.json and class_indices.json unless given)."""
     name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
+    check_input_size(name, img_size)
     model = create_model(name, len(classes))
     load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
     return model.eval(), name, img_size, classes

@@ -68,8 +68,21 @@ class RunLog:
         if self.file is None:
             self.pending.append(text)
         elif not self.file.closed:
-            self.file.write(text)
-            self.file.flush()
+            try:
+                self.file.write(text)
+                self.file.flush()
+            except OSError as e:  # a full disk: what is printed must still reach the terminal
+                self._stop_copying(e)
+
+    def _stop_copying(self, error):
+        """Close train.log after a failed write, and say so on the terminal, once."""
+        try:
+            self.file.close()
+        except OSError:
+            pass  # the close flushes what did not fit either
+        self.streams[1].write(f"warning: {self.file.name}: cannot write ({error.strerror or error}); "
+                              "no longer copying the output there\n")
+        self.streams[1].flush()
 
     def attach(self, path, append=False):
         """Write what was printed so far to ``path`` (appending: a resumed run), then keep copying."""

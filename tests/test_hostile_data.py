@@ -13,9 +13,8 @@ import torch
 from PIL import Image
 
 from conftest import FAST, PROBE, PYTHON, run
-import multi_train_utils.errors as errors
 import multi_train_utils.images as images
-from multi_train_utils.errors import MidRunError, UserError, report_error, set_resume_hint
+from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
 from multi_train_utils.inputs import file_list_fingerprint, read_inputs, warn_if_files_changed
 from multi_train_utils.options import get_args_parser, parse_args
@@ -254,7 +253,7 @@ def test_names_that_are_not_utf8_are_printed_logged_and_written_escaped(tmp_path
 
 # --- An image removed while the run uses it -------------------------------------------------------
 
-def test_an_image_gone_mid_run_is_one_line_naming_it_with_the_resume_hint(tmp_path, capsys, monkeypatch):
+def test_an_image_gone_mid_run_is_one_line_naming_it(tmp_path, capsys):
     path = str(tmp_path / "gone.jpg")
     small_jpeg(path, 0)
     dataset = MyDataSet([path], [0])
@@ -263,14 +262,12 @@ def test_an_image_gone_mid_run_is_one_line_naming_it_with_the_resume_hint(tmp_pa
     assert isinstance(error, MidRunError), f"expected a MidRunError, got {error!r}"
     gone = f"image {path} is gone (deleted or moved after the data was listed); put it back, or take it out of the data"
     assert str(error) == gone
-    monkeypatch.setattr(errors, "_resume_hint", [])
-    set_resume_hint("to continue, run it with --resume auto")
     # a loader worker's error reaches the main process with the worker's traceback as its text
     in_worker = MidRunError(f"Caught MidRunError in DataLoader worker process 0.\nOriginal Traceback (most recent "
                             f"call last):\n  File \"x.py\", line 1, in f\nmulti_train_utils.errors.MidRunError: {gone}")
     for raised in (error, in_worker):
         report_error(raised)
-        assert capsys.readouterr().err == f"error: {gone}; to continue, run it with --resume auto\n"
+        assert capsys.readouterr().err == f"error: {gone}\n"  # the run adds the checkpoint to resume from
 
 
 # --- A whole run on such a folder (one subprocess) ------------------------------------------------
@@ -299,8 +296,7 @@ def test_a_run_on_a_hostile_folder_warns_trains_and_stops_in_one_line_when_an_im
     assert "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: image {hostile_run['victim']} is gone (deleted or moved after the data was listed); put it back, or "
-        f"take it out of the data; to continue from the last finished epoch (in {out}/checkpoint.pth), run the same "
-        "command with --resume auto")
+        f"take it out of the data; {out}/checkpoint.pth (epoch 0) is intact: continue from it with --resume auto")
     printed = [line.removeprefix("warning: ") for line in result.stdout.splitlines() if line.startswith("warning: ")]
     skips = {path.replace(os.fsdecode(b"\xe9"), "\\xe9").replace(os.fsdecode(b"\xff"), "\\xff"): why
              for path, why in expected_skips(root, hostile_run["tree"]).items()}
@@ -316,12 +312,12 @@ def test_a_run_on_a_hostile_folder_warns_trains_and_stops_in_one_line_when_an_im
     assert checkpoint["epoch"] == 0 and checkpoint["file_list"] == hostile_run["fingerprint"]
 
 
-def test_a_resume_whose_files_differ_from_the_checkpoints_warns(hostile_run, capsys, monkeypatch):
+def test_a_resume_whose_files_differ_from_the_checkpoints_warns(hostile_run, capsys):
     out = hostile_run["out"]
-    monkeypatch.setattr(errors, "_resume_hint", [])
     args = parse_args(get_args_parser(distributed=False), [*hostile_run["flags"], "--resume", "auto"])
     capsys.readouterr()
     inputs = read_inputs(args, build_datasets)  # the victim is gone: one validation image less
+    inputs.output_lock.discard()
     assert inputs.checkpoint["file_list"] == hostile_run["fingerprint"]
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --resume")]
     assert warnings == [f"warning: --resume {out}/checkpoint.pth: the data's files are not those the checkpoint was "
