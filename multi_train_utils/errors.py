@@ -129,8 +129,9 @@ def resource_error(error):
     return None
 
 
-def _one_line(error):
-    """The message; a worker-raised error carries the worker's traceback text: keep its last line."""
+def one_line(error):
+    """The message of ``error`` as one printable line (a worker-raised error carries the
+    worker's traceback text: its last line)."""
     text = str(error).strip()
     line = text.splitlines()[-1] if text else type(error).__name__
     for prefix in (f"{type(error).__module__}.{type(error).__name__}: ", f"{type(error).__name__}: "):
@@ -147,7 +148,7 @@ def report_error(error):
         prefix = ""
     else:
         return
-    print(f"{prefix}error: {_one_line(error)}", file=sys.stderr, flush=True)
+    print(f"{prefix}error: {one_line(error)}", file=sys.stderr, flush=True)
 
 
 def _collective_failure(error):
@@ -157,9 +158,9 @@ def _collective_failure(error):
         return None  # the rendezvous itself failed, or not a collective: report as it is
     if "timed out" in text.lower() or "timeout" in text.lower():
         return ("a collective timed out after --dist-timeout: another process stopped answering (it hangs or is "
-                f"gone): {_one_line(error)}")
+                f"gone): {one_line(error)}")
     if isinstance(error, dist.DistBackendError) or "Connection closed by peer" in text or "Connection reset" in text:
-        return f"lost contact with another process (it failed or was stopped; see its error): {_one_line(error)}"
+        return f"lost contact with another process (it failed or was stopped; see its error): {one_line(error)}"
     return None
 
 

@@ -32,22 +32,18 @@ class RunInputs(NamedTuple):
 def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True, writer=True):
     """Lock --output-dir (``writer``: the one process that writes there), then build the
     datasets (``build_datasets(args)``, see my_dataset.py), read --weights and --resume and
-    check --output-dir: a UserError on bad input, which leaves nothing behind."""
+    check --output-dir: a UserError on bad input (which leaves nothing behind: the lock file
+    goes again at exit if nothing was written)."""
     lock = lock_output_dir(args.output_dir) if writer and not args.eval_only else None
-    try:
-        resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
-        if not args.eval_only:  # before --download or --demo fetch or write anything
-            check_output_dir(args.output_dir, args.overwrite, resume_path)
-        data = load_data(args, build_datasets, local_rank, world_size)
-        if checkpoint is not None:
-            check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
-            if verbose:
-                warn_if_files_changed(checkpoint, resume_path, data)
-        weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
-    except BaseException:
-        if lock is not None:
-            lock.discard()
-        raise
+    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
+    if not args.eval_only:  # before --download or --demo fetch or write anything
+        check_output_dir(args.output_dir, args.overwrite, resume_path)
+    data = load_data(args, build_datasets, local_rank, world_size)
+    if checkpoint is not None:
+        check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
+        if verbose:
+            warn_if_files_changed(checkpoint, resume_path, data)
+    weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
     return RunInputs(data, weights, resume_path, checkpoint, lock)
 
 

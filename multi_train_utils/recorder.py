@@ -5,7 +5,7 @@ import time
 
 from model import plain_state_dict
 from multi_train_utils.checkpoint import CHECKPOINT, resumes_in, rng_state, save_checkpoint
-from multi_train_utils.errors import MidRunError, resource_error
+from multi_train_utils.errors import MidRunError, one_line, resource_error
 from multi_train_utils.files import save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
@@ -98,7 +98,7 @@ class RunRecorder:
             fault = e if isinstance(e, MidRunError) else resource_error(e)  # an image gone, a full disk, ...
             if fault is None:
                 raise
-            raise type(fault)(f"{fault}; {self.resume_advice()}") from None
+            raise type(fault)(f"{one_line(fault)}; {self.resume_advice()}") from None
 
     def resume_advice(self):
         """Which checkpoint of this run is intact, and how to go on from it."""

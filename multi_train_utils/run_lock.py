@@ -7,6 +7,7 @@ the run. On shared file systems it is as good as their locking: NFS mounted with
 or ``local_lock``, Lustre without ``-o flock`` and BeeGFS (by default) keep locks node-local,
 so two runs on two nodes are not kept apart there.
 """
+import atexit
 import datetime
 import errno
 import os
@@ -33,16 +34,28 @@ class RunLock:
         self.fd = fd
         self.path = path
         self.made = (made_folder, made_file)  # what taking the lock created
+        atexit.register(self.discard)  # a run stopped by bad input leaves no trace
 
     def discard(self):
-        """Bad input, nothing written: remove the lock file and the folder if taking the lock
-        created them (the folder only if it is still empty), then let the lock go."""
+        """Let the lock go; if the run wrote nothing into the folder, also remove the lock file
+        and the folder, where taking the lock created them."""
+        if self.fd is None:
+            return
         made_folder, made_file = self.made
-        if made_file:
+        folder = os.path.dirname(self.path)
+        if made_file and _listing(folder) == [LOCK_FILE]:
             _remove_quietly(os.remove, self.path)
-        if made_folder:
-            _remove_quietly(os.rmdir, os.path.dirname(self.path))
+        if made_folder and _listing(folder) == []:
+            _remove_quietly(os.rmdir, folder)
         os.close(self.fd)
+        self.fd = None
+
+
+def _listing(folder):
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return None
 
 
 def _remove_quietly(remove, path):
