@@ -56,6 +56,8 @@ def find_images(path):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         found += [os.path.join(folder, name) for name in sorted(files)
                   if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMG_EXTENSIONS]
+    if not found and unreadable:
+        raise UserError(printable(f"--image {path}: no image files could be listed ({unreadable[0][0]}: {unreadable[0][1]})"))
     if not found:
         raise UserError(f"--image {printable(path)}: no image files in that folder ({', '.join(IMG_EXTENSIONS)})")
     return found, unreadable

@@ -126,6 +126,9 @@ def test_predict_skips_a_file_or_folder_it_may_not_read(trained, tmp_path, monke
     output = tmp_path / "none.csv"
     with pytest.raises(UserError, match=r"--image .*roses_001.jpg: no image could be read"):
         predict.main([*flags, "--image", str(secret), "--output", str(output)])
+    with pytest.raises(UserError, match=r"--image .*locked: no image files could be listed \(.*locked: cannot read "
+                                        r"it: Permission denied\)"):
+        predict.main([*flags, "--image", str(folder / "locked"), "--output", str(output)])
     assert not output.exists()
 
 
