@@ -6,7 +6,8 @@
 The exported model takes float images of shape (N, 3, H, W), H = W = the training image
 size, normalised with ImageNet's mean and std (multi_train_utils.images.IMAGENET_MEAN / IMAGENET_STD), and
 returns one logit per class (class_indices.json). Each file is loaded back and its outputs
-compared with the eager model's on a random batch before the command reports success.
+compared with the eager model's on a random batch before it takes the --output name, so a
+failed export leaves an earlier file there as it was.
 """
 import argparse
 import inspect
@@ -16,10 +17,10 @@ import warnings
 
 import torch
 
-from multi_train_utils.errors import UserError, run_cli
-from multi_train_utils.files import write_bytes_atomic
+from multi_train_utils.errors import UserError, printable, run_cli
+from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import load_trained_model
+from multi_train_utils.run_files import load_trained_model, trained_model_files
 
 TOLERANCE = 1e-4
 SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
@@ -31,6 +32,7 @@ def get_args_parser():
     add_trained_model_flags(parser)
     parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="torchscript, or onnx (needs the onnx and onnxruntime packages)")
     parser.add_argument("--output", default=None, help="the file to write (default: beside the weights, e.g. model-best.torchscript.pt)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never one this command reads: the weights, args.json or class_indices.json)")
     return parser
 
 
@@ -77,25 +79,34 @@ def export_onnx(model, example, path):
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
-    model, model_name, img_size, classes = load_trained_model(args)
     output = args.output or os.path.splitext(args.weights)[0] + SUFFIXES[args.format]
+    # before any work: never a user's file without --overwrite, never an input (the default name too)
+    check_new_output(output, trained_model_files(args), args.overwrite)
+    model, model_name, img_size, classes = load_trained_model(args)
 
     generator = torch.Generator().manual_seed(0)
     example = torch.randn(2, 3, img_size, img_size, generator=generator)
-    with torch.no_grad():
-        run_exported = {"torchscript": export_torchscript, "onnx": export_onnx}[args.format](model, example, output)
-        check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
-        try:
+    unchecked = unchecked_path(output)
+    try:
+        with torch.no_grad():
+            run_exported = {"torchscript": export_torchscript, "onnx": export_onnx}[args.format](model, example, unchecked)
+            check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
             difference = float((run_exported(check) - model(check)).abs().max())
-        except BaseException:
-            os.remove(output)  # never leave a file that was not checked
-            raise
-    if difference > TOLERANCE:
-        os.remove(output)
-        raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "
-                        f"(more than {TOLERANCE:g}); {model_name} may not export this way")
-    print(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
-          f"{img_size}) normalised); max difference to the eager model on a check batch: {difference:.2e}")
+        if difference > TOLERANCE:
+            raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "
+                            f"(more than {TOLERANCE:g}); {model_name} may not export this way")
+        os.replace(unchecked, output)  # only a checked file takes the name
+    finally:
+        if os.path.exists(unchecked):
+            os.remove(unchecked)  # never leave a file that was not checked
+    print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
+                    f"{img_size}) normalised); max difference to the eager model on a check batch: {difference:.2e}"))
+
+
+def unchecked_path(output):
+    """A hidden name beside ``output`` for the file until it has been checked."""
+    folder, name = os.path.split(os.path.abspath(output))
+    return os.path.join(folder, f".{name}.{os.getpid()}.unchecked")
 
 
 if __name__ == "__main__":

@@ -4,24 +4,26 @@
     python predict.py --weights weights/model-best.pth --image data/demo/ --output runs/predictions.csv
 
 The model name and image size come from the run's args.json beside the weights, the class
-names from its class_indices.json (or from --model, --img-size, --class-indices).
+names from its class_indices.json (or from --model, --img-size, --class-indices). A file that
+cannot be read is named and skipped; the rest of the folder is still predicted.
 """
 import argparse
-import csv
-import io
+import errno
 import os
 import sys
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
-from multi_train_utils.errors import RankError, UserError, run_cli
-from multi_train_utils.files import write_text_atomic
-from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, resize_size
+from multi_train_utils.errors import UserError, one_line, printable, run_cli
+from multi_train_utils.files import check_new_output, write_csv_atomic
+from multi_train_utils.images import (DeviceNormalizer, build_transforms, read_image_uint8, resize_size,
+                                     unreadable_reason)
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import load_trained_model
+from multi_train_utils.run_files import load_trained_model, trained_model_files
 from utils import IMG_EXTENSIONS
 
 
@@ -32,6 +34,7 @@ def get_args_parser():
     parser.add_argument("--image", required=True, help="an image file, or a folder (searched recursively)")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to print per image")
     parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's probability")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never one this command reads: the weights, args.json, class_indices.json or an image)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: the cores, up to 8)")
     parser.add_argument("--device", default="auto", help="auto (GPU if there is one), cpu, cuda, cuda:N or mps")
@@ -39,23 +42,45 @@ def get_args_parser():
 
 
 def find_images(path):
-    """``path`` itself, or the image files below it (recursively, hidden ones left out), sorted."""
+    """(``path`` itself, or the image files below it (recursively, hidden ones left out), sorted;
+    [(folder, why)] of the sub-folders that could not be read)."""
     if os.path.isfile(path):
-        return [path]
+        return [path], []
     if not os.path.isdir(path):
-        raise UserError(f"--image {path}: no such file or folder")
-    found = []
-    for folder, subfolders, files in os.walk(path):
+        raise UserError(f"--image {printable(path)}: no such file or folder")
+    found, unreadable = [], []
+
+    def note(error):  # a sub-folder that cannot be listed: named and skipped like a file
+        unreadable.append((error.filename, why_unreadable(error, error.filename)))
+
+    for folder, subfolders, files in os.walk(path, onerror=note):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         found += [os.path.join(folder, name) for name in sorted(files)
                   if not name.startswith(".") and os.path.splitext(name)[1].lower() in IMG_EXTENSIONS]
+    if not found and unreadable:
+        raise UserError(printable(f"--image {path}: no image files could be listed ({unreadable[0][0]}: {unreadable[0][1]})"))
     if not found:
-        raise UserError(f"--image {path}: no image files in that folder ({', '.join(IMG_EXTENSIONS)})")
-    return found
+        raise UserError(f"--image {printable(path)}: no image files in that folder ({', '.join(IMG_EXTENSIONS)})")
+    return found, unreadable
+
+
+def why_unreadable(error, path):
+    """Why a file cannot be predicted, in words: a broken symbolic link, the file system's
+    reason, or the training's own reason for skipping such a file (too many pixels, ...)."""
+    if path is not None and os.path.islink(path) and not os.path.exists(path):
+        try:
+            os.stat(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "cannot read it: a loop of symbolic links"
+        return "cannot read it: a symbolic link to a missing file"
+    if isinstance(error, OSError):
+        return f"cannot read it: {error.strerror or error}"
+    return (unreadable_reason(path) if path is not None else None) or one_line(error)
 
 
 class ImageFiles(Dataset):
-    """Images for prediction; a file that cannot be decoded yields its error instead."""
+    """Images for prediction; a file that cannot be read yields why instead."""
 
     def __init__(self, paths, transform, keep_side):
         self.paths, self.transform, self.keep_side = paths, transform, keep_side
@@ -64,10 +89,11 @@ class ImageFiles(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index):
+        path = self.paths[index]
         try:
-            return self.transform(read_image_uint8(self.paths[index], self.keep_side)), index, None
-        except RankError as e:
-            return None, index, str(e)
+            return self.transform(read_image_uint8(path, self.keep_side)), index, None
+        except (UserError, OSError, Image.DecompressionBombError) as e:  # named and skipped, never fatal
+            return None, index, why_unreadable(e, path)
 
     @staticmethod
     def collate_fn(batch):
@@ -93,7 +119,10 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         raise UserError("--top-k and --batch-size must be at least 1")
-    paths = find_images(args.image)
+    paths, unreadable_folders = find_images(args.image)
+    if args.output:  # before any work: never a user's file without --overwrite, never an input
+        check_new_output(args.output, trained_model_files(args) + [("an image to predict", p) for p in paths],
+                         args.overwrite)
     device = select_device(args.device)
     configure_cpu_threads(device)
 
@@ -106,33 +135,38 @@ def main(argv=None):
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers, collate_fn=dataset.collate_fn,
                         pin_memory=device.type == "cuda")
     folder = os.path.isdir(args.image)
-    rows, skipped = [], []
+    for name, why in unreadable_folders:
+        print(printable(f"warning: skipping folder {name}: {why}"))
+    rows, skipped = [], len(unreadable_folders)
     for index, result in predict(model, loader, device, progress=folder):
         if isinstance(result, str):
-            skipped.append(paths[index])
-            tqdm.write(f"warning: skipping {paths[index]}: {result}", file=sys.stdout)
+            skipped += 1
+            tqdm.write(printable(f"warning: skipping {paths[index]}: {result}"), file=sys.stdout)
             continue
         rows.append((paths[index], result))
         if args.output is None:
             top = torch.topk(result, min(args.top_k, len(classes)))
-            tqdm.write(f"{paths[index]}: " + ", ".join(f"{classes[int(i)]} {float(p):.3f}"
-                                                       for p, i in zip(top.values, top.indices)), file=sys.stdout)
+            tqdm.write(printable(f"{paths[index]}: " + ", ".join(f"{classes[int(i)]} {float(p):.3f}"
+                                                                 for p, i in zip(top.values, top.indices))),
+                       file=sys.stdout)
     if not rows:
-        raise UserError(f"--image {args.image}: no image could be decoded")
+        raise UserError(f"--image {printable(args.image)}: no image could be read (see the warnings above)")
+    skipped_note = f"skipped {skipped} that could not be read (named above)" if skipped else "skipped none"
     if args.output:
-        write_text_atomic(predictions_csv(rows, classes), args.output)
-        print(f"wrote {len(rows)} predictions to {args.output}" + (f"; skipped {len(skipped)} files" if skipped else ""))
+        write_csv_atomic(prediction_rows(rows, classes), args.output)
+        print(printable(f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {args.output}; {skipped_note}"))
+    elif folder or skipped:
+        print(f"predicted {len(rows)} image{'s' * (len(rows) != 1)}; {skipped_note}")
 
 
-def predictions_csv(rows, classes):
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["path", "prediction", "probability", *classes])
+def prediction_rows(rows, classes):
+    """The CSV's rows: a header, then path, prediction, its probability and every class's."""
+    table = [["path", "prediction", "probability", *classes]]
     for path, probabilities in rows:
         best = int(probabilities.argmax())
-        writer.writerow([path, classes[best], f"{float(probabilities[best]):.6f}",
-                         *(f"{float(p):.6f}" for p in probabilities)])
-    return buffer.getvalue()
+        table.append([path, classes[best], f"{float(probabilities[best]):.6f}",
+                      *(f"{float(p):.6f}" for p in probabilities)])
+    return table
 
 
 if __name__ == "__main__":

@@ -36,18 +36,15 @@ class MidRunError(RankError):
     adds which checkpoint is intact and how to resume (``RunRecorder.explain_faults``)."""
 
 
-def printable(text):
-    """``text`` safe to print and log: bytes of a file name that are not UTF-8 (which Python
-    holds as lone surrogates) shown as ``\\xe9`` escapes instead of failing the write."""
+def printable(name):
+    """``name`` (text, or a path as bytes) safe to print and to write as UTF-8: the bytes of a
+    file name that are not UTF-8 (which Python holds as lone surrogates) appear as ``\\xe9``
+    escapes instead of raising UnicodeEncodeError."""
+    text = os.fsdecode(name)
     try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        try:
-            raw = text.encode("utf-8", "surrogateescape")  # the name's bytes, as on disk
-        except UnicodeEncodeError:
-            raw = text.encode("utf-8", "backslashreplace")
-        return raw.decode("utf-8", "backslashreplace")
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ResourceError(MidRunError):

@@ -1,14 +1,19 @@
 """Safe file reading and atomic writing.
 
-A crash never leaves half a file, and a file that would run code when loaded is refused."""
+A crash never leaves half a file, and a file that would run code when loaded is refused.
+A user's file is replaced only when asked and an input never; names that are not UTF-8
+print escaped; CSV files open safely in a spreadsheet."""
+import csv
+import io
 import json
 import os
 import pickle
+import re
 import tempfile
 
 import torch
 
-from multi_train_utils.errors import UserError, disk_full_error
+from multi_train_utils.errors import UserError, disk_full_error, printable
 
 
 def _atomic_write(path, write, before_replace=None):
@@ -65,6 +70,68 @@ def write_bytes_atomic(data, path):
     """Write a file's bytes atomically."""
     _atomic_write(path, lambda f: f.write(data))
 
+
+def write_csv_atomic(rows, path):
+    """Write rows (lists of cells) as a CSV file (see ``csv_text``), atomically."""
+    write_text_atomic(csv_text(rows), path)
+
+
+# --- Outputs that never replace a user's file -----------------------------------------------------
+
+def check_new_output(path, inputs, overwrite, flag="--output"):
+    """Refuse to write ``path`` over one of ``inputs`` ((what, path) pairs), even with
+    --overwrite; over a folder; or over an existing file unless ``overwrite``. Files are
+    compared by device and inode, so a symbolic link, a hard link or another spelling of an
+    input (./, ..) is recognised."""
+    if os.path.isdir(path):
+        raise UserError(f"{flag} {printable(path)}: is a folder; give the name of a file to write")
+    if not os.path.lexists(path):
+        return  # a new name cannot be an input
+    target = _file_identity(path)
+    for what, source in inputs:
+        if target is not None and _file_identity(source) == target:
+            raise UserError(f"{flag} {printable(path)}: is {what} ({printable(source)}), which this command reads; "
+                            "choose another path (even --overwrite never writes over an input)")
+    if not overwrite:
+        raise UserError(f"{flag} {printable(path)}: exists; pass --overwrite to replace it, or choose another path")
+
+
+def _file_identity(path):
+    """(device, inode) of the file ``path`` leads to, or None if it leads to none."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):  # missing, a dangling link or a loop: no file to protect
+        return None
+    return info.st_dev, info.st_ino
+
+
+# --- Names and cells that are safe to print and to open -------------------------------------------
+
+# A cell starting with one of these is a formula in Excel, LibreOffice and Google Sheets (OWASP
+# "CSV injection"); a number such as -0.5 (or -inf) is not text and stays as it is.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+NUMBER_TEXT = re.compile(r"[-+]?((\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|inf|nan)", re.IGNORECASE)
+
+
+def spreadsheet_safe(cell):
+    """A CSV cell that a spreadsheet shows as it is: text starting with =, +, -, @, a tab or a
+    carriage return gets a leading ' (so it is never run as a formula) and is made printable."""
+    if not isinstance(cell, str):
+        return cell
+    cell = printable(cell)
+    return "'" + cell if cell.startswith(FORMULA_STARTS) and not NUMBER_TEXT.fullmatch(cell) else cell
+
+
+def csv_text(rows):
+    """Rows (lists of cells) as CSV text by the csv module, which quotes a cell holding a comma,
+    quote or line break; every cell passes through ``spreadsheet_safe``."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)  # lines end in \r\n (RFC 4180), so a cell with a lone \r is quoted too
+    writer.writerows([spreadsheet_safe(cell) for cell in row] for row in rows)
+    return buffer.getvalue()
+
+
+# --- Reading ----------------------------------------------------------------------------------------
 
 def read_json(path, hint="fix or delete it"):
     """The JSON in ``path``; a UserError naming the file (and saying ``hint``) if it cannot be read."""

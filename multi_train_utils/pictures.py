@@ -14,7 +14,7 @@ import os
 import torch
 
 from multi_train_utils.errors import UserError, printable, run_cli
-from multi_train_utils.files import write_bytes_atomic, write_text_atomic
+from multi_train_utils.files import csv_text, write_bytes_atomic, write_text_atomic
 from multi_train_utils.run_files import read_metrics
 
 
@@ -138,10 +138,11 @@ def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
 
 
 def confusion_matrix_csv(confusion, classes):
-    """The confusion matrix as CSV text: a header of predicted classes, a row per true class."""
-    lines = ["true/predicted," + ",".join(classes)]
-    lines += [name + "," + ",".join(str(int(v)) for v in confusion[i]) for i, name in enumerate(classes)]
-    return "\n".join(lines) + "\n"
+    """The confusion matrix as CSV text: a header of predicted classes, a row per true class
+    (class names quoted and neutralised by ``files.csv_text``, whatever they hold)."""
+    rows = [["true/predicted", *classes]]
+    rows += [[name, *(int(v) for v in confusion[i])] for i, name in enumerate(classes)]
+    return csv_text(rows)
 
 
 def save_confusion_matrix(confusion, classes, folder, title, writer=None, step=0):

@@ -11,7 +11,7 @@ from model import check_input_size, create_model, load_exact_weights, load_state
 from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
 from multi_train_utils.errors import UserError
 from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, read_json,
-                                    write_json_atomic, write_text_atomic)
+                                    write_csv_atomic, write_json_atomic)
 
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
@@ -132,8 +132,7 @@ def read_run_classes(run_dir):
 
 def write_metrics(output_dir, rows):
     """metrics.csv: the header, then one row (a list of values) per epoch, atomically."""
-    lines = [",".join(METRICS_HEADER)] + [",".join(str(v) for v in row) for row in rows]
-    write_text_atomic("\n".join(lines) + "\n", os.path.join(output_dir, METRICS_FILE))
+    write_csv_atomic([METRICS_HEADER, *rows], os.path.join(output_dir, METRICS_FILE))
 
 
 def read_metrics(run_dir):
@@ -165,6 +164,17 @@ def read_run_settings(weights, model=None, img_size=None, class_indices=None):
     if not os.path.isfile(classes_file):
         raise UserError(f"{classes_file}: not found; give --class-indices (the run's class_indices.json)")
     return model, int(img_size), read_class_indices(classes_file)
+
+
+def trained_model_files(args):
+    """(what, path) of each file predict.py and export.py read besides the images: --weights,
+    the run's args.json and class_indices.json beside it, and --class-indices if given."""
+    run_dir = os.path.dirname(os.path.abspath(args.weights))
+    files = [("the --weights file", args.weights), (f"the run's {ARGS_FILE}", os.path.join(run_dir, ARGS_FILE)),
+             (f"the run's {CLASSES_FILE}", os.path.join(run_dir, CLASSES_FILE))]
+    if args.class_indices:
+        files.append(("the --class-indices file", args.class_indices))
+    return files
 
 
 def load_trained_model(args):

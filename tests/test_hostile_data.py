@@ -247,8 +247,8 @@ def test_names_that_are_not_utf8_are_printed_logged_and_written_escaped(tmp_path
                                                             classes), str(tmp_path / "batch.png"))))
     assert not isinstance(drawn, Exception), f"drawing a name that is not UTF-8 failed: {drawn!r}"
     assert os.path.getsize(tmp_path / "confusion_matrix.png") > 0 and os.path.getsize(tmp_path / "batch.png") > 0
-    with open(tmp_path / "confusion_matrix.csv", "rb") as f:
-        assert f.read().startswith(b"true/predicted,caf\xe9,roses\n")
+    with open(tmp_path / "confusion_matrix.csv", "rb") as f:  # a CSV is for spreadsheets: UTF-8, escaped
+        assert f.read().startswith(b"true/predicted,caf\\xe9,roses\r\n")
 
 
 # --- An image removed while the run uses it -------------------------------------------------------
