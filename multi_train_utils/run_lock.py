@@ -30,20 +30,21 @@ except ImportError:  # Windows: no POSIX locks
 class RunLock:
     """The lock on one output folder, held until the process ends."""
 
-    def __init__(self, fd, path, made_folder, made_file):
+    def __init__(self, fd, path, made_folder, made_file, names_before):
         self.fd = fd
         self.path = path
         self.made = (made_folder, made_file)  # what taking the lock created
+        self.names_before = names_before  # the folder's files when the lock was taken
         atexit.register(self.discard)  # a run stopped by bad input leaves no trace
 
     def discard(self):
-        """Let the lock go; if the run wrote nothing into the folder, also remove the lock file
-        and the folder, where taking the lock created them."""
+        """Let the lock go; if the run wrote no new file into the folder, also remove the lock
+        file and the folder, where taking the lock created them."""
         if self.fd is None:
             return
         made_folder, made_file = self.made
         folder = os.path.dirname(self.path)
-        if made_file and _listing(folder) == [LOCK_FILE]:
+        if made_file and _listing(folder) == sorted(self.names_before + [LOCK_FILE]):
             _remove_quietly(os.remove, self.path)
         if made_folder and _listing(folder) == []:
             _remove_quietly(os.rmdir, folder)
@@ -53,7 +54,7 @@ class RunLock:
 
 def _listing(folder):
     try:
-        return os.listdir(folder)
+        return sorted(os.listdir(folder))
     except OSError:
         return None
 
@@ -76,6 +77,7 @@ def lock_output_dir(output_dir):
     for _ in range(3):
         made_file = not os.path.exists(path)
         fd = _open_lock_file(output_dir, path)
+        names_before = [name for name in _listing(output_dir) or [] if name != LOCK_FILE]
         if fcntl is None:
             os.close(fd)
             print(f"warning: {path}: cannot lock files on this system; make sure no other run writes into "
@@ -96,7 +98,7 @@ def lock_output_dir(output_dir):
             return None
         if _same_file(fd, path):  # not removed by a run that gave up on bad input meanwhile
             _write_holder(fd)
-            return RunLock(fd, path, made_folder, made_file)
+            return RunLock(fd, path, made_folder, made_file, names_before)
         os.close(fd)
     raise UserError(f"--output-dir {output_dir}: {LOCK_FILE} keeps being replaced; is another run starting there?")
 

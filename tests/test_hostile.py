@@ -8,18 +8,8 @@ import time
 import pytest
 
 from conftest import PROBE, PYTHON, TORCHRUN, free_port, pids_of_tree, run, script, train_args
-from test_fault_tolerance import STARTED, alive, kill_tree, start, wait_for_checkpoint
+from test_fault_tolerance import alive, no_process_left_behind, start, wait_for_checkpoint  # noqa: F401 (autouse)
 
-
-@pytest.fixture(autouse=True)
-def no_process_left_behind():
-    """Whatever a test started dies with the test, even when the test fails."""
-    yield
-    while STARTED:
-        job = STARTED.pop()
-        if job.poll() is None:
-            kill_tree(job.pid)
-            job.communicate()
 
 # --- One writer per folder, no orphans -------------------------------------------------------------
 

@@ -47,14 +47,14 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     for name in ("model-final-for-paper.pth", "model-best.onnx", ".notes.tmp"):  # the user's, by their names
         (out / name).write_bytes(b"mine")
     (out / "checkpoint.pth.damaged").write_bytes(b"")  # the template's
-    before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)}
+    before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out) if p != "run.lock"}  # (any run takes the lock)
 
     refused = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
     assert refused.returncode == 2
     assert refused.stderr.strip() == (f"error: --output-dir {out}: holds checkpoints of an earlier run "
                                       "(model-0.pth, model-1.pth, model-7.pth, ...); pass --resume auto to continue "
                                       "it, --overwrite to replace it, or choose another --output-dir")
-    assert {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out)} == before
+    assert {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out) if p != "run.lock"} == before
 
     replaced = run([PYTHON, script("train_single.py"),
                     *train_args(tiny_data, out, "--epochs", "1", "--workers", "0", "--overwrite")])

@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import model as model_module  # noqa: E402
 import multi_train_utils.train_eval_utils as train_eval_utils  # noqa: E402
 from multi_train_utils.errors import run_cli  # noqa: E402
 
@@ -129,6 +130,9 @@ if os.environ.get("PROBE_BN_EVAL") == "1":
                 module.eval()
 
     train_eval_utils.set_train_mode = set_train_mode_bn_eval
+    # BatchNorm in eval mode takes a batch of one: the start-up check must not refuse it
+    real_check_input_size = model_module.check_input_size
+    model_module.check_input_size = lambda *args, **kwargs: real_check_input_size(*args, **dict(kwargs, training=False))
 
 if os.environ.get("PROBE_COUNT_SYNCS") == "1":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
