@@ -30,7 +30,9 @@ def test_a_second_run_is_refused_and_a_killed_launcher_leaves_no_worker(tiny_dat
     pids = pids_of_tree(job.pid)
     assert len(pids) >= 5  # torchrun, two workers, their loader workers
 
-    second = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--resume", "auto")], timeout=60)
+    # (--epochs 1: without the lock it would end at once, resumed or refused, not run for long)
+    second = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--resume", "auto", "--epochs", "1")],
+                 timeout=60)
     assert second.returncode == 2, second.stdout + second.stderr
     holder = re.fullmatch(rf"error: --output-dir {re.escape(str(out))}: another run is writing there \(held by pid "
                           r"(\d+) on \S+, started [\d\-T:+]+\); wait for it to finish, stop it, or choose another "
@@ -40,13 +42,20 @@ def test_a_second_run_is_refused_and_a_killed_launcher_leaves_no_worker(tiny_dat
 
     os.kill(job.pid, signal.SIGKILL)  # torchrun only, as the OOM killer would
     killed = time.monotonic()
-    job.communicate()
-    time.sleep(1)
-    after_1s = listing(out)
-    time.sleep(9)
-    assert listing(out) == after_1s  # nothing written after the launcher died
-    assert not [p for p in pids if alive(p)], "workers left running"
-    assert time.monotonic() - killed < 15
+    job.wait()  # (not its output: workers left running would hold the pipes open)
+    try:
+        time.sleep(1)
+        after_1s = listing(out)
+        time.sleep(9)
+        assert listing(out) == after_1s  # nothing written after the launcher died
+        assert not [p for p in pids if alive(p)], "workers left running"
+        assert time.monotonic() - killed < 15
+    finally:
+        for pid in pids[1:]:  # re-parented survivors are no longer in the job's tree
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
     assert_lock_is_free(str(out))  # the kernel released the dead rank 0's lock
 
 
