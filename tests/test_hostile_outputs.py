@@ -51,8 +51,14 @@ def png_header(width, height):
 
 
 def read_csv(path):
-    with open(path, newline="", encoding="utf-8") as f:  # strict UTF-8: fails on an unescaped name
-        return list(csv.reader(f))
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")  # strict: an unescaped name that is not UTF-8 fails here
+    except UnicodeDecodeError as e:
+        text = e
+    assert isinstance(text, str), f"{path} is not UTF-8: {text}"
+    return list(csv.reader(io.StringIO(text, newline="")))
 
 
 # --- predict.py finishes the folder ----------------------------------------------------------------
