@@ -24,7 +24,8 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from model import build_model
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
-                                                 configure_cpu_threads, default_workers, init_distributed_mode,
+                                                 configure_cpu_threads, connect_store, default_workers,
+                                                 init_distributed_mode, meet_node_peers, processes_sharing_cores,
                                                  read_dist_env, select_device, use_sync_bn)
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import file_list_fingerprint, load_data, read_inputs, resume_hint
@@ -38,7 +39,7 @@ from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
                                                 optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
-from utils import make_loader
+from utils import make_loaders
 
 
 def main(argv=None):
@@ -46,18 +47,25 @@ def main(argv=None):
     if args.spawn and "RANK" not in os.environ:
         return spawn_processes(args, argv)
     env = read_dist_env(args.local_rank)
-    device = select_device(args.device, env.local_rank, env.local_world_size)
-    configure_cpu_threads(device, env.local_world_size, args.threads)
-    configure_backends(device)  # cuDNN autotuner, TF32
-    precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     is_main = env.rank == 0
     run_log = RunLog() if is_main else None  # what rank 0 prints goes to train.log too
     install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
     if env.launcher == "torchrun":
         die_with_launcher()  # a torchrun killed with kill -9 takes its workers with it
 
-    # 1. Process group (none, and backend None, for a single process started without a launcher).
-    backend = init_distributed_mode(args, env, device)
+    # 1. Process group. First the rendezvous store, through which the processes of a node learn
+    #    which GPUs and cores each one sees (SLURM may give each its own GPU, or its own cores);
+    #    then each takes its GPU, and the group (none, and backend None, for a single process
+    #    started without a launcher).
+    store = connect_store(args, env)
+    node_peers = meet_node_peers(store, env, wants_gpus=args.device != "cpu")
+    device = select_device(args.device, env.local_rank, env.local_world_size, node_peers,
+                           shared_gpu_ok=args.dist_backend == "gloo")
+    sharing = processes_sharing_cores(env, node_peers)  # processes of this node on this one's cores
+    configure_cpu_threads(device, sharing, args.threads)
+    configure_backends(device)  # cuDNN autotuner, TF32
+    precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
+    backend = init_distributed_mode(args, env, device, store)
     try:
         # --output-dir locked by rank 0, the one that writes there (a second run into it stops
         # here); then the data (my_dataset.build_datasets: edit it for your own), --weights,
@@ -77,12 +85,12 @@ def main(argv=None):
         train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
         val_batch_sampler = BatchSampler(ShardSampler(len(val_set), env.rank, env.world_size), args.batch_size,
                                          drop_last=False)
-        workers = args.workers if args.workers is not None else default_workers(env.local_world_size)
-        train_loader = make_loader(train_set, train_batch_sampler, workers, device)
-        val_loader = make_loader(val_set, val_batch_sampler, workers, device)
+        workers = args.workers if args.workers is not None else default_workers(sharing)
+        train_loader, val_loader = make_loaders(train_set, train_batch_sampler, val_set, val_batch_sampler, workers,
+                                                 device)
 
-        # 3. SyncBatchNorm: batch statistics over all GPUs (on by default there; torch has it for GPUs only).
-        sync_bn = use_sync_bn(args.sync_bn, device, env.distributed, verbose=is_main)
+        # 3. SyncBatchNorm: batch statistics over all GPUs (--sync-bn; for small per-GPU batches).
+        sync_bn = use_sync_bn(args.sync_bn, device, env.distributed, compiled=args.compile, verbose=is_main)
         torch.manual_seed(args.seed)
         model = build_model(args, num_classes, weights_state, verbose=is_main,  # freezes before the DDP wrap
                             norm_batch=args.batch_size * (env.world_size if sync_bn else 1))
@@ -135,7 +143,9 @@ def main(argv=None):
                                    time.perf_counter() - start)
             recorder.finish()  # curves, confusion matrix, end summary
     finally:
-        cleanup()  # 8. every process leaves the process group, also on error
+        # 8. Every process leaves the process group; on an error without waiting long for peers
+        #    that may be gone (an NCCL group is aborted).
+        cleanup(failed=sys.exc_info()[0] is not None)
 
 
 def spawn_processes(args, argv):

@@ -25,7 +25,7 @@ from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
                                                 optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
-from utils import make_loader
+from utils import make_loaders
 
 
 def main(argv=None):
@@ -50,8 +50,8 @@ def main(argv=None):
     train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     workers = args.workers if args.workers is not None else default_workers()
-    train_loader = make_loader(train_set, train_batch_sampler, workers, device)
-    val_loader = make_loader(val_set, val_batch_sampler, workers, device)
+    train_loader, val_loader = make_loaders(train_set, train_batch_sampler, val_set, val_batch_sampler, workers,
+                                             device)
 
     torch.manual_seed(args.seed)
     model = build_model(args, num_classes, weights_state)

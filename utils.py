@@ -17,6 +17,9 @@ from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported
 from multi_train_utils.images import unreadable_reason
 from multi_train_utils.signals import reset_in_worker
 
+# Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
+MAX_VAL_WORKERS = 2
+
 # The tutorial's data: 5 class folders, 3670 JPEGs (--download fetches and checks it).
 FLOWER_PHOTOS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
 
@@ -266,17 +269,26 @@ def stack_batch(batch):
     return torch.stack(images, dim=0), torch.as_tensor(labels)
 
 
-def make_loader(dataset, batch_sampler, workers, device):
-    """A DataLoader over a batch sampler; workers stay alive between epochs."""
+def make_loader(dataset, batch_sampler, workers, device, persistent=True):
+    """A DataLoader over a batch sampler; with ``persistent``, its workers stay alive between
+    epochs."""
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=workers,
         pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,
+        persistent_workers=persistent and workers > 0,
         collate_fn=stack_batch,
         worker_init_fn=reset_in_worker,
         # its own generator: creating the loader's iterator must not draw from the global
         # one, which seed_epoch sets for the model
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def make_loaders(train_set, train_batch_sampler, val_set, val_batch_sampler, workers, device):
+    """The training loader, with ``workers`` kept alive between epochs, and the validation
+    loader, with at most MAX_VAL_WORKERS started for each pass (a short pass: more workers,
+    kept alive, would only hold memory and processes, per rank, all epoch long)."""
+    return (make_loader(train_set, train_batch_sampler, workers, device),
+            make_loader(val_set, val_batch_sampler, min(workers, MAX_VAL_WORKERS), device, persistent=False))

@@ -10,8 +10,12 @@ Rank, world size and local rank come from the environment:
   SLURM_JOB_ID (so two jobs on one node do not collide);
 - anything else is a single process (world size 1) and no process group is created.
 """
+import json
 import os
 import re
+import socket
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -101,8 +105,18 @@ def read_dist_env(local_rank_arg=None):
     return DistEnv(local_rank=local_rank_arg or 0)
 
 
-def select_device(requested, local_rank=0, local_world_size=1):
-    """Turn ``--device`` (auto, cpu, cuda, cuda:N, mps) into a torch.device, or explain why not."""
+def select_device(requested, local_rank=0, local_world_size=1, node_peers=None, shared_gpu_ok=False):
+    """Turn ``--device`` (auto, cpu, cuda, cuda:N, mps) into a torch.device, or explain why not.
+
+    With several processes on a node, each takes a GPU of its own:
+    - at least as many GPUs visible as local processes: the GPU of its local rank;
+    - fewer (SLURM's --gpus-per-task=1 or --gpu-bind, or any launcher that gives each
+      process its own CUDA_VISIBLE_DEVICES): its first visible GPU, once ``node_peers``
+      (see ``meet_node_peers``) shows that no other process of the node sees that GPU;
+    - two processes on one GPU: an error (NCCL refuses it) unless ``shared_gpu_ok`` (gloo).
+    A CUDA device becomes the current one (``torch.cuda.set_device``), so that nothing
+    lands on GPU 0 by default.
+    """
     if requested == "auto":
         if torch.cuda.is_available():
             requested = "cuda"
@@ -121,57 +135,136 @@ def select_device(requested, local_rank=0, local_world_size=1):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         raise UserError(f"--device {requested}: no CUDA GPU is visible here; use --device cpu (or auto)")
-    if local_world_size > count:
-        raise UserError(
-            f"{local_world_size} processes per node but only {count} GPU(s) visible: "
-            f"use --nproc_per_node={count} or fewer"
-        )
     if ":" in requested and local_world_size > 1:
         raise UserError(f"--device {requested}: every process of this node would use that one GPU; "
                         "use --device cuda (each process takes the GPU of its local rank)")
-    index = int(requested.split(":")[1]) if ":" in requested else local_rank
-    if index >= count:
-        raise UserError(f"--device {requested}: only {count} GPU(s) visible (cuda:0 to cuda:{count - 1})")
-    return torch.device("cuda", index)
+    if ":" in requested:
+        index = int(requested.split(":")[1])
+        if index >= count:
+            raise UserError(f"--device {requested}: only {count} GPU(s) visible (cuda:0 to cuda:{count - 1})")
+    elif local_world_size <= count:
+        index = local_rank
+    else:
+        index = _index_among_fewer_gpus(count, local_rank, local_world_size, node_peers, shared_gpu_ok)
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _index_among_fewer_gpus(count, local_rank, local_world_size, node_peers, shared_gpu_ok):
+    """The GPU of a process that sees fewer GPUs than there are processes on its node."""
+    if node_peers is None:  # no rendezvous store to compare GPUs through (a --dist-url other than env://)
+        if shared_gpu_ok:
+            return local_rank % count
+        raise UserError(f"{local_world_size} processes per node but only {count} GPU(s) visible: "
+                        f"use --nproc_per_node={count} or fewer")
+    mine = set(node_peers[local_rank]["gpus"])
+    sharing = [peer["local_rank"] for peer in node_peers if peer["local_rank"] != local_rank and mine & set(peer["gpus"])]
+    if not sharing:
+        return 0  # the node's processes see different GPUs: each has its own
+    if shared_gpu_ok:
+        return local_rank % count
+    ranks = ", ".join(str(r) for r in sorted([local_rank, *sharing]))
+    raise UserError(
+        f"local ranks {ranks} of this node share GPU(s) ({local_world_size} processes, {count} GPU(s) visible to "
+        f"each); NCCL cannot run two processes on one GPU: start at most one process per GPU "
+        f"(torchrun --nproc_per_node={count}, srun --ntasks-per-node=<GPUs> --gpus-per-task=1), "
+        "or add --dist-backend gloo (slow, for tests)")
+
+
+def visible_gpus():
+    """UUIDs of the GPUs this process can see (empty without CUDA): the same GPU has the same
+    UUID in every process, whatever its index under CUDA_VISIBLE_DEVICES."""
+    if not torch.cuda.is_available():
+        return []
+    return [str(getattr(torch.cuda.get_device_properties(i), "uuid", f"index {i}"))
+            for i in range(torch.cuda.device_count())]
+
+
+def node_name():
+    """This node's name for grouping the processes that share its GPUs and cores."""
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))  # containers may share host names
+    return f"{socket.gethostname()}#{node_rank}"
+
+
+def meet_node_peers(store, env, wants_gpus=True):
+    """Tell the other processes of this node (through the rendezvous store) which cores and
+    GPUs this process sees, and learn theirs: a list indexed by local rank of dicts with
+    ``local_rank``, ``cpus`` and ``gpus``. None without a store (a single process, or a
+    --dist-url other than env://)."""
+    if store is None:
+        return None
+    me = {"local_rank": env.local_rank, "cpus": sorted(_affinity()),
+          "gpus": visible_gpus() if wants_gpus else []}
+    prefix = f"node-peers/{node_name()}/"
+    store.set(prefix + str(env.local_rank), json.dumps(me))
+    return [json.loads(store.get(prefix + str(i))) for i in range(env.local_world_size)]
+
+
+def _affinity():
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # macOS, Windows
+        return set(range(os.cpu_count() or 1))
+
+
+# More loader workers than this rarely feed a GPU faster; each costs memory and start-up time.
+MAX_WORKERS = 16
 
 
 def cpu_cores_available():
-    """Cores this process may run on (respects taskset, cgroups' cpusets and SLURM)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+    """Cores this process may run on (respects taskset, cgroups' cpusets and SLURM's binding)."""
+    return len(_affinity())
 
 
-def cores_per_process(local_world_size=1):
-    """This process's share of the cores: SLURM_CPUS_PER_TASK under SLURM, else the cores it
-    may run on divided among the processes of this node."""
-    cores = cpu_cores_available()
-    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return max(1, min(cores, int(os.environ["SLURM_CPUS_PER_TASK"])))
-    return max(1, cores // max(1, local_world_size))
+def processes_sharing_cores(env=None, node_peers=None):
+    """How many processes of this node (this one included) run on the cores this one may use.
+
+    torchrun's processes share the launcher's cores (its LOCAL_WORLD_SIZE); srun's tasks,
+    bound to their own cores, share them with no one; ``node_peers`` (``meet_node_peers``)
+    tells which case this is. Without them, every process of the node counts."""
+    if env is None:
+        return 1
+    if node_peers is None:
+        return max(1, env.local_world_size)
+    mine = set(node_peers[env.local_rank]["cpus"])
+    return max(1, sum(1 for peer in node_peers if mine & set(peer["cpus"])))
 
 
-def default_workers(local_world_size=1):
-    """Loader workers per process: this process's share of the cores (a fixed cap would starve
-    fast GPUs on big machines; on a CPU the workers mostly wait, the model uses the cores)."""
-    return cores_per_process(local_world_size)
+def cores_per_process(sharing=1):
+    """This process's share of the cores it may run on (``sharing``: see processes_sharing_cores)."""
+    return max(1, cpu_cores_available() // max(1, sharing))
 
 
-def configure_cpu_threads(device, local_world_size=1, threads=None):
-    """``--threads`` if given; else, on a CPU, each local process gets its share of the cores,
-    so that N ranks on one CPU don't fight."""
+def default_workers(sharing=1):
+    """Loader workers per process: its share of the cores, at most MAX_WORKERS (on a CPU the
+    workers mostly wait while the model uses the cores)."""
+    return min(MAX_WORKERS, cores_per_process(sharing))
+
+
+def configure_cpu_threads(device, sharing=1, threads=None):
+    """``--threads`` if given; else, on a CPU, each process gets its share of the cores, so
+    that N ranks on one CPU don't fight."""
     if threads:
         torch.set_num_threads(threads)
     elif device.type == "cpu":
-        torch.set_num_threads(cores_per_process(local_world_size))
+        torch.set_num_threads(cores_per_process(sharing))
 
 
-def init_distributed_mode(args, env, device):
+def connect_store(args, env):
+    """The rendezvous key-value store at MASTER_ADDR:MASTER_PORT for ``--dist-url env://``
+    (every launcher here); None for a single process or another --dist-url."""
+    if not env.distributed or args.dist_url != "env://":
+        return None
+    return _rendezvous_store(env, timedelta(seconds=args.dist_timeout))
+
+
+def init_distributed_mode(args, env, device, store=None):
     """Create the default process group when launched by torchrun, launch or SLURM; return its
     backend, or None for a single process (no process group).
 
-    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides.
+    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides. ``store`` is the one
+    from ``connect_store`` (None: ``--dist-url`` is used).
     """
     if not env.distributed:
         return None
@@ -180,13 +273,11 @@ def init_distributed_mode(args, env, device):
         raise UserError(f"--dist-backend nccl needs CUDA GPUs, but the device is {device}; use gloo")
     if not dist.is_backend_available(backend):
         raise UserError(f"--dist-backend {backend}: not built into this torch; use gloo or nccl")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.dist_timeout)
     dist.init_process_group(
         backend=backend,
-        store=_rendezvous_store(env, timeout) if args.dist_url == "env://" else None,
-        init_method=None if args.dist_url == "env://" else args.dist_url,
+        store=store,
+        init_method=None if store is not None else args.dist_url,
         world_size=env.world_size,
         rank=env.rank,
         timeout=timeout,
@@ -195,16 +286,21 @@ def init_distributed_mode(args, env, device):
     return backend
 
 
-def use_sync_bn(requested, device, distributed, verbose=True):
-    """``--sync-bn`` resolved: on by default for GPUs in a process group; torch has
-    SyncBatchNorm for GPUs only, so on CPUs it stays off (with a warning if asked for)."""
-    if requested is None:
-        return device.type == "cuda" and distributed
-    if requested and device.type != "cuda":
+def use_sync_bn(requested, device, distributed, compiled=False, verbose=True):
+    """``--sync-bn`` resolved: off unless asked for. SyncBatchNorm computes the batch statistics
+    over all GPUs, which helps when each GPU's batch is small (under ~16 images), but each of
+    its layers adds a collective and a host sync to every forward. torch has it for GPUs only:
+    on CPUs it stays off (with a warning)."""
+    if not requested or not distributed:
+        return False
+    if device.type != "cuda":
         if verbose:
             print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
         return False
-    return requested and distributed
+    if compiled and verbose:
+        print("warning: --sync-bn with --compile: the compiled graph breaks at every SyncBatchNorm layer, "
+              "which costs much of what compiling gains", flush=True)
+    return True
 
 
 def _rendezvous_store(env, timeout):
@@ -226,10 +322,42 @@ def _rendezvous_store(env, timeout):
     return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def cleanup():
-    """Destroy the process group if one exists (safe to call more than once)."""
-    if dist.is_available() and dist.is_initialized():
+# Seconds the clean-up may wait for the process group to shut down before going on without it.
+CLEANUP_SECONDS = 30
+
+
+def cleanup(failed=False, seconds=None):
+    """Destroy the process group if one exists (safe to call more than once).
+
+    ``failed``: this process is leaving on an error, and its peers may be gone or stuck in a
+    collective. NCCL's group is then aborted (destroying it would wait for work in flight that
+    never ends); and the clean-up waits at most ``seconds`` (default CLEANUP_SECONDS), so the
+    error still gets out.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not failed:
         dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6
+    leave = abort if abort is not None and dist.get_backend() == "nccl" else dist.destroy_process_group
+    seconds = CLEANUP_SECONDS if seconds is None else seconds
+    gpu = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    worker = threading.Thread(target=_quietly, args=(leave, gpu), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        print(f"warning: the process group did not shut down within {seconds} s (another process is gone or "
+              "stuck); leaving without it", file=sys.stderr, flush=True)
+
+
+def _quietly(function, gpu=None):
+    try:
+        if gpu is not None:
+            torch.cuda.set_device(gpu)  # a new thread starts on GPU 0
+        function()
+    except Exception:  # a group already broken by the error being reported: nothing left to clean
+        pass
 
 
 def is_dist_avail_and_initialized():

@@ -111,7 +111,7 @@ def get_args_parser(distributed):
 
     if distributed:
         ddp = parser.add_argument_group("distributed")
-        ddp.add_argument("--sync-bn", "--syncBN", action=argparse.BooleanOptionalAction, default=None, help="SyncBatchNorm across processes (default: on for GPUs; not supported on CPU)")
+        ddp.add_argument("--sync-bn", "--syncBN", action=argparse.BooleanOptionalAction, default=None, help="SyncBatchNorm: BatchNorm statistics over all GPUs, for small per-GPU batches (under ~16 images); each layer adds a collective to every forward (default: off; GPUs only)")
         ddp.add_argument("--dist-backend", default=None, choices=["nccl", "gloo", "mpi"], help="process group backend (default: nccl on GPUs, gloo on CPUs)")
         ddp.add_argument("--dist-url", default="env://", help="process group init method; env:// reads MASTER_ADDR/MASTER_PORT as set by torchrun")
         ddp.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective may wait for a missing rank before the job fails")

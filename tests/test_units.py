@@ -185,6 +185,7 @@ def test_more_processes_than_gpus_is_an_error(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert distributed_utils.select_device("auto", local_rank=1, local_world_size=2) == torch.device("cuda", 1)
     with pytest.raises(UserError, match="4 processes per node but only 2 GPU"):
         distributed_utils.select_device("auto", local_rank=3, local_world_size=4)

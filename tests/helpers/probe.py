@@ -19,6 +19,8 @@ Environment:
                   (default 0); its gradients stay finite, so nothing reaches other ranks
   PROBE_RAISE_RANK R: rank R raises an exception at its first training step
   PROBE_HANG_RANK R: rank R stops responding at its first training step
+  PROBE_STUCK_DESTROY "1": destroying the process group never returns (as NCCL's can when a
+                  peer is gone); the clean-up's bound becomes 2 s
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
@@ -119,6 +121,14 @@ def evaluate(model, *args, **kwargs):
 target.build_model = build_model
 target.train_one_epoch = train_one_epoch
 target.evaluate = evaluate
+
+if os.environ.get("PROBE_STUCK_DESTROY") == "1":
+    import torch.distributed as dist
+
+    import multi_train_utils.distributed_utils as distributed_utils
+
+    dist.destroy_process_group = lambda *args, **kwargs: time.sleep(3600)
+    distributed_utils.CLEANUP_SECONDS = 2
 
 if os.environ.get("PROBE_BN_EVAL") == "1":
     real_set_train_mode = train_eval_utils.set_train_mode
