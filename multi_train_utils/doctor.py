@@ -237,7 +237,7 @@ def local_facts(args, env, device, backend):
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        facts["gpu"] = {"name": props.name, "uuid": f"GPU-{props.uuid}", "visible": torch.cuda.device_count()}
+        facts["gpu"] = {"name": props.name, "uuid": f"GPU-{props.uuid}"}
     facts["findings"] = node_findings(facts, backend, env.local_world_size)
     return facts
 

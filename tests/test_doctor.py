@@ -178,11 +178,11 @@ def test_node_checks_flag_a_small_shm_and_a_wrong_sum():
     from multi_train_utils.doctor import all_reduce_finding, consumer_gpu, format_findings, shm_finding
 
     small = shm_finding(64 * 2**20)  # Docker's default
-    assert "64 MiB" in small["what"] and "--shm-size" in small["fix"] and small["kind"] == "problem"
+    assert small is not None and "64 MiB" in small["what"] and "--shm-size" in small["fix"] and small["kind"] == "problem"
     assert shm_finding(2**30) is None and shm_finding(None) is None
     assert all_reduce_finding(10, 10, 4, rank=2) is None  # 1 + 2 + 3 + 4
-    wrong = all_reduce_finding(10, 12, 4, rank=2)
-    assert wrong["what"].startswith("rank 2: the all-reduce gave values from 10 to 12, not 10")
+    wrong = all_reduce_finding(10, 12, 4, rank=2)  # right in some elements only
+    assert wrong is not None and wrong["what"].startswith("rank 2: the all-reduce gave values from 10 to 12, not 10")
     assert all_reduce_finding(9, 9, 4, rank=0) is not None
     assert [consumer_gpu(n) for n in ("NVIDIA GeForce RTX 4090", "NVIDIA RTX 3090", "NVIDIA RTX A6000",
                                       "NVIDIA H100 80GB HBM3")] == [True, True, False, False]
@@ -196,7 +196,7 @@ def test_findings_across_ranks_one_gpu_twice_a_hang_a_silent_rank():
     from multi_train_utils.doctor import exit_code, job_findings
 
     def facts(uuid, version="2.5.0"):
-        return {"gpu": {"name": "NVIDIA GeForce RTX 4090", "uuid": uuid, "visible": 2}, "torch": version}
+        return {"gpu": {"name": "NVIDIA GeForce RTX 4090", "uuid": uuid}, "torch": version}
 
     same_gpu = {0: facts("GPU-a"), 1: facts("GPU-a"), 2: facts("GPU-b", "2.4.1")}
     results = {0: {"phase": "all-reduce", "hung": True}, 1: {"phase": "all-reduce", "hung": True}}
