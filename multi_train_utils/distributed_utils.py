@@ -194,14 +194,15 @@ def meet_node_peers(store, env, wants_gpus=True):
     --dist-url other than env://)."""
     if store is None:
         return None
-    me = {"local_rank": env.local_rank, "cpus": sorted(_affinity()),
+    me = {"local_rank": env.local_rank, "cpus": sorted(cpu_affinity()),
           "gpus": visible_gpus() if wants_gpus else []}
     prefix = f"node-peers/{node_name()}/"
     store.set(prefix + str(env.local_rank), json.dumps(me))
     return [json.loads(store.get(prefix + str(i))) for i in range(env.local_world_size)]
 
 
-def _affinity():
+def cpu_affinity():
+    """The cores this process may run on (a set of core numbers)."""
     try:
         return os.sched_getaffinity(0)
     except AttributeError:  # macOS, Windows
@@ -214,7 +215,7 @@ MAX_WORKERS = 16
 
 def cpu_cores_available():
     """Cores this process may run on (respects taskset, cgroups' cpusets and SLURM's binding)."""
-    return len(_affinity())
+    return len(cpu_affinity())
 
 
 def processes_sharing_cores(env=None, node_peers=None):
@@ -227,8 +228,13 @@ def processes_sharing_cores(env=None, node_peers=None):
         return 1
     if node_peers is None:
         return max(1, env.local_world_size)
-    mine = set(node_peers[env.local_rank]["cpus"])
-    return max(1, sum(1 for peer in node_peers if mine & set(peer["cpus"])))
+    return count_sharing(node_peers[env.local_rank]["cpus"], [peer["cpus"] for peer in node_peers])
+
+
+def count_sharing(cpus, cpus_of_each):
+    """How many of ``cpus_of_each`` (the core lists of a node's processes) overlap ``cpus``."""
+    mine = set(cpus)
+    return max(1, sum(1 for other in cpus_of_each if mine & set(other)))
 
 
 def cores_per_process(sharing=1):

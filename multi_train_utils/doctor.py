@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.distributed_utils import cores_per_process, cpu_cores_available, read_dist_env, select_device
+from multi_train_utils.distributed_utils import (cores_per_process, count_sharing, cpu_affinity, cpu_cores_available,
+                                                 read_dist_env, select_device)
 from multi_train_utils.errors import UserError, one_line, run_cli
 from multi_train_utils.signals import die_with_launcher
 
@@ -230,7 +231,9 @@ def local_facts(args, env, device, backend):
     facts = {
         "rank": env.rank, "local_rank": env.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
         "device": str(device), "gpu": None, "torch": torch.__version__, "cores": cpu_cores_available(),
-        "cores_per_process": cores_per_process(env.local_world_size), "shm_total": shm_total,
+        # an estimate (every process of the node on these cores) until the ranks' facts are gathered
+        "cores_per_process": cores_per_process(env.local_world_size), "cpus": sorted(cpu_affinity()),
+        "shm_total": shm_total,
         "shm_free": shm_free, "output_dir": os.path.abspath(args.output_dir), "disk_free": _free_disk(args.output_dir),
         "interfaces": _interfaces(),
         "variables": {k: v for k, v in sorted(os.environ.items()) if k.startswith(VARIABLE_PREFIXES)},
@@ -239,6 +242,18 @@ def local_facts(args, env, device, backend):
         props = torch.cuda.get_device_properties(device)
         facts["gpu"] = {"name": props.name, "uuid": f"GPU-{props.uuid}"}
     facts["findings"] = node_findings(facts, backend, env.local_world_size)
+    return facts
+
+
+def with_shared_cores(facts, backend):
+    """The gathered ``facts`` of every rank, with each rank's cores per process counted as
+    training counts them (its cores divided by the processes of its node that share them:
+    torchrun's processes share the launcher's cores, bound srun tasks have their own), and
+    its node's findings redone with that count."""
+    for rank, f in facts.items():
+        node = [other for other in facts.values() if other["host"] == f["host"]]
+        f["cores_per_process"] = max(1, len(f["cpus"]) // count_sharing(f["cpus"], [o["cpus"] for o in node]))
+        f["findings"] = node_findings(f, backend, len(node))
     return facts
 
 
@@ -577,7 +592,7 @@ def report_missing(args, env, backend, store, missing):
     what = (f"{ranks_text(missing)} never joined within {args.timeout:g} s (expected world size {env.world_size}; "
             f"joined: {ranks_text(joined)})")
     store.set("abort", what)
-    facts = {r: store.get(f"joined/{r}") for r in joined}
+    facts = with_shared_cores({r: store.get(f"joined/{r}") for r in joined}, backend)
     findings = [finding(what, "its node is down, started late or failed before joining (see its output), or it "
                               f"cannot reach MASTER_ADDR:MASTER_PORT {_rendezvous()} (firewall, wrong MASTER_ADDR): "
                               "start every node within --timeout; under SLURM, srun --kill-on-bad-exit=1")]
@@ -606,7 +621,7 @@ def check_collectives(args, env, device, backend, store):
         keys = [f"result/{r}" for r in range(env.world_size)]
         store.wait(keys, deadline + 3)  # a rank that hangs sends its result at its own deadline
         results = {r: store.get(keys[r]) for r in range(env.world_size) if store.store.check([keys[r]])}
-        facts = {r: store.get(f"joined/{r}") for r in range(env.world_size)}
+        facts = with_shared_cores({r: store.get(f"joined/{r}") for r in range(env.world_size)}, backend)
         findings = _unique_findings(facts) + job_findings(facts, results, env.world_size, backend, args.timeout)
         findings.sort(key=lambda f: f["kind"] != "problem")
         print(format_report(facts, results, findings, env.world_size, backend, _rendezvous(), args.timeout),
@@ -640,7 +655,9 @@ def main(argv=None):
     env = read_dist_env(args.local_rank)
     if env.launcher == "torchrun":
         die_with_launcher()  # a torchrun killed with kill -9 takes its workers with it
-    device = select_device(args.device, env.local_rank, env.local_world_size)
+    # Fewer GPUs than processes: each takes local rank mod GPUs (its own with one GPU per
+    # task); ranks that end up on one GPU are a finding of the report, not a crash here.
+    device = select_device(args.device, env.local_rank, env.local_world_size, shared_gpu_ok=True)
     if device.type == "mps":  # no backend runs collectives on Apple GPUs
         device = torch.device("cpu")
     backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -648,8 +665,6 @@ def main(argv=None):
         raise UserError(f"--backend nccl needs CUDA GPUs, but the device is {device}; use gloo")
     if not dist.is_backend_available(backend):
         raise UserError(f"--backend {backend}: not built into this torch; use gloo or nccl")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     sys.exit(check_job(args, env, device, backend))
 
 

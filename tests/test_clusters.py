@@ -36,7 +36,7 @@ def meet(store, local_world_size, visible_by_rank, monkeypatch):
 
     by_thread = {}
     monkeypatch.setattr(distributed_utils, "visible_gpus", lambda: by_thread[threading.get_ident()][0])
-    monkeypatch.setattr(distributed_utils, "_affinity", lambda: by_thread[threading.get_ident()][1])
+    monkeypatch.setattr(distributed_utils, "cpu_affinity", lambda: by_thread[threading.get_ident()][1])
 
     def run(local_rank):
         with lock:
@@ -97,19 +97,19 @@ def test_loader_workers_divide_the_cores_among_the_processes_sharing_them(monkey
     A big machine: at most MAX_WORKERS."""
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "64")
     node = [{"local_rank": r, "cpus": list(range(64)), "gpus": []} for r in range(8)]
-    monkeypatch.setattr(distributed_utils, "_affinity", lambda: set(range(64)))
+    monkeypatch.setattr(distributed_utils, "cpu_affinity", lambda: set(range(64)))
     env = DistEnv(rank=3, world_size=16, local_rank=3, local_world_size=8, launcher="torchrun")
     sharing = distributed_utils.processes_sharing_cores(env, node)
     assert (sharing, distributed_utils.default_workers(sharing), distributed_utils.cores_per_process(sharing)) == (8, 8, 8)
 
     bound = [{"local_rank": r, "cpus": list(range(8 * r, 8 * r + 8)), "gpus": []} for r in range(8)]
-    monkeypatch.setattr(distributed_utils, "_affinity", lambda: set(range(24, 32)))
+    monkeypatch.setattr(distributed_utils, "cpu_affinity", lambda: set(range(24, 32)))
     slurm_env = DistEnv(rank=3, world_size=8, local_rank=3, local_world_size=8, launcher="slurm")
     sharing = distributed_utils.processes_sharing_cores(slurm_env, bound)
     assert (sharing, distributed_utils.default_workers(sharing)) == (1, 8)
     assert distributed_utils.processes_sharing_cores(slurm_env, None) == 8  # no store: all of the node's processes
 
-    monkeypatch.setattr(distributed_utils, "_affinity", lambda: set(range(256)))
+    monkeypatch.setattr(distributed_utils, "cpu_affinity", lambda: set(range(256)))
     assert distributed_utils.default_workers(1) == distributed_utils.MAX_WORKERS == 16
 
 
