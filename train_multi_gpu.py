@@ -11,7 +11,6 @@ NCCL on GPUs and gloo on CPUs; every way to launch it:
 """
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -26,7 +25,8 @@ from multi_train_utils.checkpoint import restore_training_state, set_aside_damag
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
                                                  configure_cpu_threads, connect_store, default_workers,
                                                  init_distributed_mode, meet_node_peers, processes_sharing_cores,
-                                                 read_dist_env, select_device, use_sync_bn)
+                                                 read_dist_env, select_device, start_local_processes,
+                                                 use_sync_bn)
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import file_list_fingerprint, load_data, read_inputs, resume_hint
 from multi_train_utils.options import get_args_parser, parse_args
@@ -152,10 +152,7 @@ def spawn_processes(args, argv):
     """--spawn N: check the input, then start N local processes with torch.multiprocessing.spawn."""
     load_data(args, build_datasets, world_size=args.spawn)  # bad input fails here, once, before any process starts
     argv = sys.argv[1:] if argv is None else argv
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_spawned_process, args=(args.spawn, port, argv), nprocs=args.spawn, join=False)
+    context = start_local_processes(main, args.spawn, argv)
     try:
         while not context.join():
             pass
@@ -170,13 +167,6 @@ def spawn_processes(args, argv):
             if process.is_alive():
                 process.kill()
         sys.exit(128 + signal.SIGINT)
-
-
-def _spawned_process(local_rank, nprocs, port, argv):
-    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    die_with_launcher()  # the --spawn parent, killed, takes this process with it
-    run_cli(main, argv)
 
 
 if __name__ == "__main__":

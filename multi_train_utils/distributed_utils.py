@@ -21,8 +21,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.signals import die_with_launcher
 
 
 @dataclass
@@ -445,3 +447,20 @@ def reduce_value(value, average=True):
         if average:
             value /= world_size
     return value
+
+
+def start_local_processes(main, nprocs, argv):
+    """``--spawn N``: start ``nprocs`` processes on this machine, ranks 0 to N-1 of one job
+    (rendezvous on a free port of 127.0.0.1), each running ``run_cli(main, argv)``; return
+    torch.multiprocessing's context, not waiting for them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return mp.start_processes(_run_local_rank, args=(main, nprocs, port, argv), nprocs=nprocs, join=False)
+
+
+def _run_local_rank(local_rank, main, nprocs, port, argv):
+    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    die_with_launcher()  # the --spawn parent, killed, takes this process with it
+    run_cli(main, argv)

@@ -27,10 +27,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from multi_train_utils.distributed_utils import (cores_per_process, count_sharing, cpu_affinity, cpu_cores_available,
-                                                 read_dist_env, select_device)
+                                                 read_dist_env, select_device, start_local_processes)
 from multi_train_utils.errors import UserError, one_line, run_cli
 from multi_train_utils.signals import die_with_launcher
 
@@ -671,23 +670,13 @@ def main(argv=None):
 def spawn_processes(args, argv):
     """--spawn N: start N local processes with torch.multiprocessing on a free port of 127.0.0.1."""
     argv = sys.argv[1:] if argv is None else argv
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_spawned_process, args=(args.spawn, port, argv), nprocs=args.spawn, join=False)
+    context = start_local_processes(main, args.spawn, argv)
     # Wait for every process (context.join would stop the others at the first exit code 1,
     # which here only means "problems found"); each ends within its time-outs.
     for process in context.processes:
         process.join()
     codes = [process.exitcode for process in context.processes]
     sys.exit(max(codes) if min(codes) >= 0 else 1)  # a negative code: killed by a signal
-
-
-def _spawned_process(local_rank, nprocs, port, argv):
-    os.environ.update(RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local_rank),
-                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    die_with_launcher()  # the --spawn parent, killed, takes this process with it
-    run_cli(main, argv)
 
 
 if __name__ == "__main__":
