@@ -199,7 +199,7 @@ def measure_tutorial_step(model, images, labels, device, steps):
 
 # --- Scaling under torchrun -----------------------------------------------------------------------
 
-def measure_scaling(args, data_path, processes, device, channels_last):
+def measure_scaling(args, data_path, processes, device):
     """Images/s of train_multi_gpu.py under torchrun with ``processes`` processes: the second of
     two epochs, when every process is warm (kernels chosen, workers started); and what it timed."""
     with tempfile.TemporaryDirectory(prefix="benchmark-") as out:
@@ -208,7 +208,8 @@ def measure_scaling(args, data_path, processes, device, channels_last):
                "--epochs", "2", "--model", args.model, "--img-size", str(args.img_size),
                "--batch-size", str(args.batch_size), "--amp", args.amp, "--device", device.type,
                "--output-dir", out, "--log-dir", os.path.join(out, "runs"), "--no-scale-lr"]
-        cmd += ["--channels-last" if channels_last else "--no-channels-last"]
+        if args.channels_last is not None:  # else the script's default, the rule this process follows
+            cmd += ["--channels-last" if args.channels_last else "--no-channels-last"]
         cmd += ["--workers", str(args.workers)] if args.workers is not None else []
         cmd += ["--compile"] if args.compile else []
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -219,6 +220,28 @@ def measure_scaling(args, data_path, processes, device, channels_last):
         with open(os.path.join(out, "metrics.csv")) as f:
             rate = float(list(csv.DictReader(f))[-1]["images_per_second"])
     return rate, scaling_timed(result.stdout, args.batch_size * processes)
+
+
+def scaling_rows(args, data_path, device, batches, timed):
+    """The scaling rows for 1, 2, 4, ... processes (``batches``: of one process's epoch); what
+    each timed goes into ``timed``."""
+    devices = torch.cuda.device_count() if device.type == "cuda" else cpu_cores_available()
+    rows = []
+    for processes in process_counts(min(devices, args.max_processes or devices)):
+        if batches // processes <= WARMUP_STEPS + 1:
+            print(f"scaling x{processes}: skipped, {batches // processes} batches a process are too few "
+                  "to time; raise --num-images", flush=True)
+            continue
+        rate, timed[f"scaling x{processes}"] = measure_scaling(args, data_path, processes, device)
+        first = rows[0]["images_per_second"] if rows else rate
+        # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
+        ideal = first * (processes if device.type == "cuda" else 1)
+        rows.append({
+            "processes": processes, "images_per_second": rate, "efficiency": rate / ideal,
+            "threads_per_process": max(1, cpu_cores_available() // processes) if device.type == "cpu" else None,
+            "gpus": processes if device.type == "cuda" else 0})
+        print(f"scaling x{processes}: {rate:.1f} images/s", flush=True)
+    return rows
 
 
 def scaling_timed(stdout, images_per_step):
@@ -297,10 +320,11 @@ def main(argv=None):
             if key not in given:
                 setattr(args, key, value)
     check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
-    device = select_device(args.device)
+    device = select_device(args.device)  # counts GPUs without creating a CUDA context
     configure_cpu_threads(device)
     configure_backends(device)
-    precision = choose_precision(args.amp, device)
+    # On a GPU the precision check creates a CUDA context: only after the scaling rows.
+    precision = choose_precision(args.amp, device) if device.type != "cuda" else None
     data_path = prepare_data(args)
 
     split = read_split_data(data_path, val_rate=0.1, seed=0)
@@ -310,9 +334,15 @@ def main(argv=None):
     if len(batches) <= WARMUP_STEPS:
         raise UserError(f"{len(split.train_images_path)} training images give {len(batches)} batches of "
                         f"{args.batch_size}; need more than {WARMUP_STEPS}: raise --num-images")
-    workers = args.workers if args.workers is not None else default_workers()
-    loader = make_loader(train_set, batches, workers, device)
     results, timed = {}, {}  # timed: what each row timed, by the table's row names
+    # Scaling rows first, while this process holds no CUDA context: under the EXCLUSIVE_PROCESS
+    # compute mode of many clusters, a GPU takes one process at a time, and the children need it.
+    if args.scaling:
+        results["scaling"] = scaling_rows(args, data_path, device, len(batches), timed)
+
+    precision = precision or choose_precision(args.amp, device)
+    workers = args.workers if args.workers is not None else default_workers()
+    loader = make_loader(train_set, batches, workers, device)  # pin_memory on CUDA: a context from here on
     results["data"], timed["data"] = measure_data(loader, sampler, epoch=0)
     print(f"data: {results['data']:.1f} images/s", flush=True)
 
@@ -345,24 +375,8 @@ def main(argv=None):
         results["speedup_vs_baseline"] = results["loop"] / loop
         print(f"baseline: step {step:.1f}, loop {loop:.1f} images/s", flush=True)
 
-    if args.scaling:
-        devices = torch.cuda.device_count() if device.type == "cuda" else cpu_cores_available()
-        results["scaling"] = []
-        for processes in process_counts(min(devices, args.max_processes or devices)):
-            if len(batches) // processes <= WARMUP_STEPS + 1:
-                print(f"scaling x{processes}: skipped, {len(batches) // processes} batches a process are too few "
-                      "to time; raise --num-images", flush=True)
-                continue
-            rate, timed[f"scaling x{processes}"] = measure_scaling(args, data_path, processes, device, channels_last)
-            first = results["scaling"][0]["images_per_second"] if results["scaling"] else rate
-            # GPUs: each process adds a GPU, ideal is k x one; CPU: the same cores are shared.
-            ideal = first * (processes if device.type == "cuda" else 1)
-            results["scaling"].append({
-                "processes": processes, "images_per_second": rate, "efficiency": rate / ideal,
-                "threads_per_process": max(1, cpu_cores_available() // processes) if device.type == "cpu" else None,
-                "gpus": processes if device.type == "cuda" else 0})
-            print(f"scaling x{processes}: {rate:.1f} images/s", flush=True)
-
+    if "scaling" in results:  # measured first (see above); in the JSON after the rows of this process
+        results["scaling"] = results.pop("scaling")
     results["timed"] = timed
     report = {
         "machine": machine_description(device),

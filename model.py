@@ -26,10 +26,25 @@ def create_model(name="resnet34", num_classes=5):
     return torchvision.models.get_model(name, weights=None, **kwargs)
 
 
+class AutocastModule(nn.Module):
+    """Runs ``module``'s forward under ``autocast()`` (a Precision's) in whichever thread calls
+    it. DataParallel runs each replica in a thread of its own, where autocast (thread-local)
+    would otherwise be re-entered with the device's default dtype: fp16 on CUDA, even for bf16."""
+
+    def __init__(self, module, autocast):
+        super().__init__()
+        self.module = module
+        self.autocast = autocast
+
+    def forward(self, *args, **kwargs):
+        with self.autocast():
+            return self.module(*args, **kwargs)
+
+
 def unwrap_model(model):
-    """The plain module inside DDP / DataParallel / torch.compile wrappers."""
+    """The plain module inside DDP / DataParallel / AutocastModule / torch.compile wrappers."""
     while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, AutocastModule)):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from model import build_model
+from model import AutocastModule, build_model
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import configure_cpu_threads, default_workers, select_device
 from multi_train_utils.errors import run_cli
@@ -60,7 +60,7 @@ def main(argv=None):
     model.to(device)
     model, channels_last = optimize_model(model, args, device)  # channels_last, --grad-checkpoint, --compile
     if args.data_parallel:
-        model = wrap_data_parallel(model, device)
+        model = wrap_data_parallel(model, device, precision)
     settings = LoopSettings.from_args(args, precision, channels_last)
 
     if args.eval_only:
@@ -92,8 +92,9 @@ def main(argv=None):
         recorder.finish()  # curves, confusion matrix, end summary
 
 
-def wrap_data_parallel(model, device):
-    """nn.DataParallel over all visible GPUs (one process); DDP is faster and scales further."""
+def wrap_data_parallel(model, device, precision):
+    """nn.DataParallel over all visible GPUs (one process); DDP is faster and scales further.
+    Each replica runs its forward under ``precision``'s autocast itself (see AutocastModule)."""
     count = torch.cuda.device_count() if device.type == "cuda" else 0
     if count < 2:
         print(f"warning: --data-parallel needs 2 or more GPUs, {count} visible; training on {device} alone",
@@ -102,7 +103,7 @@ def wrap_data_parallel(model, device):
     device_ids = list(range(device.index or 0, count))  # the model sits on the first of them
     print(f"DataParallel over GPUs {device_ids}; DistributedDataParallel (torchrun train_multi_gpu.py) is faster",
           flush=True)
-    return nn.DataParallel(model, device_ids=device_ids)
+    return nn.DataParallel(AutocastModule(model, precision.autocast), device_ids=device_ids)
 
 
 if __name__ == "__main__":

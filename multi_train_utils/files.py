@@ -52,8 +52,28 @@ def _umask():
 
 
 def save_atomic(obj, path, before_replace=None):
-    """``torch.save`` that never leaves a half-written file behind (``before_replace``: see _atomic_write)."""
+    """``torch.save`` that never leaves a half-written file behind (``before_replace``: see _atomic_write).
+    Every tensor is saved on the CPU (see ``cpu_tensors``)."""
+    obj = cpu_tensors(obj)
     _atomic_write(path, lambda f: torch.save(obj, f), before_replace)
+
+
+def cpu_tensors(obj):
+    """``obj`` with every tensor in it (nested in dicts, lists and tuples) on the CPU; anything
+    else is left as it is. Saved CUDA tensors would load onto cuda:0 elsewhere, or not at all
+    on a machine without a GPU."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        copy = type(obj)((key, cpu_tensors(value)) for key, value in obj.items())
+        if hasattr(obj, "_metadata"):  # a state dict's layer versions, which loading reads
+            copy._metadata = obj._metadata
+        return copy
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(cpu_tensors(value) for value in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_tensors(value) for value in obj)
+    return obj
 
 
 def write_json_atomic(obj, path):

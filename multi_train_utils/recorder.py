@@ -6,7 +6,7 @@ import time
 from model import plain_state_dict
 from multi_train_utils.checkpoint import CHECKPOINT, resumes_in, rng_state, save_checkpoint
 from multi_train_utils.errors import MidRunError, one_line, resource_error
-from multi_train_utils.files import save_atomic
+from multi_train_utils.files import cpu_tensors, save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
 from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, model_epoch_files, write_metrics,
@@ -112,7 +112,7 @@ class RunRecorder:
         if not self.enabled:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
             return
-        weights = plain_state_dict(model)
+        weights = cpu_tensors(plain_state_dict(model))  # copied off the GPU once for the three files
         if eval_result.accuracy > self.best_accuracy:
             self.best_accuracy, self.best_epoch = eval_result.accuracy, epoch
             self.best_confusion = eval_result.confusion

@@ -212,7 +212,8 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     Every rank first takes rank 0's BatchNorm statistics, so the figure is that of the
     weights rank 0 saves. Runs the module inside DDP, not the wrapper: ranks may have
     different numbers of batches, and DDP's forward may broadcast buffers, a collective the
-    shorter rank would never join.
+    shorter rank would never join. The counts stay on the device until the end (no host sync
+    per batch), and a short last batch is padded to the batch size (``pad_batch``).
     """
     settings = settings or LoopSettings()
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -221,10 +222,29 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     model.eval()
     to_device = DeviceNormalizer(device, settings.channels_last)
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+    batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
     for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
         images, labels = to_device(images, labels)
+        batch_size = batch_size or len(labels)
+        images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
         with settings.precision.autocast():
             predictions = model(images).argmax(dim=1)
-        confusion += torch.bincount(labels * num_classes + predictions, minlength=num_classes * num_classes)
+        # index_add_, not bincount: bincount reads its input's min and max back to the host.
+        confusion.index_add_(0, labels * num_classes + predictions, weights)
     all_reduce_sum(confusion)
     return EvalResult(confusion.view(num_classes, num_classes).cpu())
+
+
+def pad_batch(images, labels, batch_size, channels_last=False):
+    """A short last batch padded with copies of its first image up to ``batch_size``, and the
+    weight of each row in the counts (0 for padding): a compiled model then sees one shape
+    and compiles once. In eval mode each image's output is independent of the others."""
+    count = len(labels)
+    weights = torch.ones(max(count, batch_size), dtype=torch.int64, device=labels.device)
+    if count >= batch_size:
+        return images, labels, weights[:count]
+    weights[count:] = 0
+    images = torch.cat([images, images[:1].expand(batch_size - count, *images.shape[1:])])
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, torch.cat([labels, labels[:1].expand(batch_size - count)]), weights

@@ -7,7 +7,8 @@ Environment:
                   parameter checksum before and after the DDP wrap, the sample indices
                   this rank trains on in each epoch, the dtype and memory format of the
                   first convolution's output in training, the checksum of the buffers
-                  (BatchNorm statistics) each evaluation used, and the training steps run
+                  (BatchNorm statistics) each evaluation used, the training steps run,
+                  whether the trained model has SyncBatchNorm, and the device of its weights
   PROBE_PERTURB   "1": add noise to the weights of ranks other than 0 before the DDP wrap,
                   so that identical weights afterwards prove DDP's broadcast
   PROBE_BN_EVAL   "1": keep every BatchNorm in eval mode while training (batch-size
@@ -97,6 +98,8 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwarg
         time.sleep(3600)
     if epoch == 0:
         record["after_wrap"] = checksum(model)
+        record["sync_bn"] = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+        record["device"] = str(next(model.parameters()).device)
     remove_epoch, _, remove_path = os.environ.get("PROBE_REMOVE_AT_EPOCH", "").partition(":")
     if remove_path and epoch == int(remove_epoch) and rank == 0:
         os.remove(remove_path)
