@@ -320,7 +320,7 @@ def main(argv=None):
             if key not in given:
                 setattr(args, key, value)
     check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
-    device = select_device(args.device)  # counts GPUs without creating a CUDA context
+    device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context
     configure_cpu_threads(device)
     configure_backends(device)
     # On a GPU the precision check creates a CUDA context: only after the scaling rows.
@@ -340,6 +340,8 @@ def main(argv=None):
     if args.scaling:
         results["scaling"] = scaling_rows(args, data_path, device, len(batches), timed)
 
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the CUDA context of this process, on the chosen GPU
     precision = precision or choose_precision(args.amp, device)
     workers = args.workers if args.workers is not None else default_workers()
     loader = make_loader(train_set, batches, workers, device)  # pin_memory on CUDA: a context from here on

@@ -107,7 +107,8 @@ def read_dist_env(local_rank_arg=None):
     return DistEnv(local_rank=local_rank_arg or 0)
 
 
-def select_device(requested, local_rank=0, local_world_size=1, node_peers=None, shared_gpu_ok=False):
+def select_device(requested, local_rank=0, local_world_size=1, node_peers=None, shared_gpu_ok=False,
+                  make_current=True):
     """Turn ``--device`` (auto, cpu, cuda, cuda:N, mps) into a torch.device, or explain why not.
 
     With several processes on a node, each takes a GPU of its own:
@@ -117,7 +118,8 @@ def select_device(requested, local_rank=0, local_world_size=1, node_peers=None, 
       (see ``meet_node_peers``) shows that no other process of the node sees that GPU;
     - two processes on one GPU: an error (NCCL refuses it) unless ``shared_gpu_ok`` (gloo).
     A CUDA device becomes the current one (``torch.cuda.set_device``), so that nothing
-    lands on GPU 0 by default.
+    lands on GPU 0 by default; ``make_current=False`` leaves that to the caller (setting it
+    creates this process's CUDA context).
     """
     if requested == "auto":
         if torch.cuda.is_available():
@@ -149,7 +151,8 @@ def select_device(requested, local_rank=0, local_world_size=1, node_peers=None, 
     else:
         index = _index_among_fewer_gpus(count, local_rank, local_world_size, node_peers, shared_gpu_ok)
     device = torch.device("cuda", index)
-    torch.cuda.set_device(device)
+    if make_current:
+        torch.cuda.set_device(device)
     return device
 
 

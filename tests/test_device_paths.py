@@ -192,3 +192,21 @@ def test_benchmark_starts_the_scaling_rows_before_touching_cuda(tmp_path, monkey
         benchmark.main(["--quick", "--device", "cpu", "--batch-size", "2", "--data-path", str(tmp_path / "data"),
                         "--json", str(tmp_path / "bench.json")])
     assert started == [{"processes": 1, "cuda_initialized": False, "models": 0, "loaders": 0}]
+
+    # The same on a GPU (mocked: counted, never set): select_device must not make it current
+    # (torch.cuda.set_device creates the context) before the scaling rows.
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: made_current.append(device))
+    monkeypatch.setattr(benchmark, "configure_backends", lambda device: None)
+
+    def measure_scaling_on_gpu(args, data_path, processes, device):
+        started.append({"processes": processes, "made_current": list(made_current)})
+        raise ScalingStarted
+
+    monkeypatch.setattr(benchmark, "measure_scaling", measure_scaling_on_gpu)
+    with pytest.raises(ScalingStarted):
+        benchmark.main(["--quick", "--device", "cuda", "--batch-size", "2", "--data-path", str(tmp_path / "data"),
+                        "--json", str(tmp_path / "bench.json")])
+    assert started[1:] == [{"processes": 1, "made_current": []}]
