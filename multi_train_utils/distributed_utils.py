@@ -199,8 +199,10 @@ def meet_node_peers(store, env, wants_gpus=True):
     --dist-url other than env://)."""
     if store is None:
         return None
-    me = {"local_rank": env.local_rank, "cpus": sorted(cpu_affinity()),
-          "gpus": visible_gpus() if wants_gpus else []}
+    # GPUs are compared only where a process sees fewer than its node has processes (reading
+    # their UUIDs initialises CUDA in this process; there it must, to take one).
+    fewer = wants_gpus and torch.cuda.is_available() and torch.cuda.device_count() < env.local_world_size
+    me = {"local_rank": env.local_rank, "cpus": sorted(cpu_affinity()), "gpus": visible_gpus() if fewer else []}
     prefix = f"node-peers/{node_name()}/"
     store.set(prefix + str(env.local_rank), json.dumps(me))
     return [json.loads(store.get(prefix + str(i))) for i in range(env.local_world_size)]

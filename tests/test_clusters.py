@@ -64,8 +64,8 @@ def outcome(call):
 def test_one_gpu_per_task_takes_its_own_gpu(gpus, monkeypatch):
     """srun --gpus-per-task=1: 4 tasks on a node, each sees one GPU as cuda:0, all different."""
     store = dist.HashStore()
+    gpus.visible = ["GPU-2"]  # what local rank 2 sees (one GPU: each compares)
     views = meet(store, 4, [[f"GPU-{r}"] for r in range(4)], monkeypatch)
-    gpus.visible = ["GPU-2"]  # what local rank 2 sees
     device = outcome(lambda: distributed_utils.select_device("auto", local_rank=2, local_world_size=4,
                                                              node_peers=views[2]))
     assert device == torch.device("cuda", 0)
@@ -75,11 +75,19 @@ def test_one_gpu_per_task_takes_its_own_gpu(gpus, monkeypatch):
 
 def test_processes_sharing_one_gpu_are_refused_unless_gloo(gpus, monkeypatch):
     store = dist.HashStore()
-    views = meet(store, 2, [["GPU-a"], ["GPU-a"]], monkeypatch)
     gpus.visible = ["GPU-a"]
+    views = meet(store, 2, [["GPU-a"], ["GPU-a"]], monkeypatch)
     with pytest.raises(UserError, match=r"local ranks 0, 1 of this node share GPU\(s\).*--dist-backend gloo"):
         distributed_utils.select_device("cuda", local_rank=1, local_world_size=2, node_peers=views[1])
     assert distributed_utils.select_device("cuda", 1, 2, views[1], shared_gpu_ok=True) == torch.device("cuda", 0)
+
+
+def test_uuids_are_read_only_where_a_process_sees_fewer_gpus_than_its_node_has_processes(gpus, monkeypatch):
+    """Reading a GPU's UUID initialises CUDA in the process: with a GPU for every process
+    (the usual torchrun node) nothing is read before each takes its own."""
+    gpus.visible = ["GPU-0", "GPU-1"]
+    views = meet(dist.HashStore(), 2, [["GPU-0", "GPU-1"]] * 2, monkeypatch)
+    assert [p["gpus"] for p in views[0]] == [[], []]
 
 
 def test_gpus_of_the_local_rank_and_cuda_n_become_current(gpus):
