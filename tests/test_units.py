@@ -200,7 +200,7 @@ def test_boolean_flags_and_aliases():
     args = parse_args(parser, ["--syncBN", "--no-freeze-layers", "--num_classes", "5", "--local_rank=2"])
     assert (args.sync_bn, args.freeze_layers, args.num_classes, args.local_rank) == (True, False, 5, 2)
     assert parse_args(parser, ["--no-sync-bn", "--local-rank=1"]).sync_bn is False
-    assert parse_args(parser, []).sync_bn is None  # decided by the device
+    assert parse_args(parser, []).sync_bn is None  # not given: off (use_sync_bn)
     assert given_on_command_line(parser, ["--epochs", "3", "--demo"]) == {"epochs", "demo"}
     demo = parse_args(parser, ["--demo", "--epochs", "5"])
     assert (demo.epochs, demo.model, demo.data_path) == (5, "resnet18", "data/demo")
