@@ -14,7 +14,6 @@ Every rank joins through the key-value store at MASTER_ADDR:MASTER_PORT within -
 rank that joined (rank 0 normally) prints a report per node and each problem with its fix.
 Exit code 0: no problems; 1: problems found; 2: a mistake in the flags.
 """
-import argparse
 import json
 import math
 import os
@@ -28,9 +27,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from multi_train_utils.distributed_utils import (cores_per_process, count_sharing, cpu_affinity, cpu_cores_available,
-                                                 read_dist_env, select_device, start_local_processes)
+from multi_train_utils.distributed_utils import (cleanup, cores_per_process, count_sharing, cpu_affinity,
+                                                 cpu_cores_available, read_dist_env, select_device,
+                                                 start_local_processes)
 from multi_train_utils.errors import UserError, one_line, run_cli
+from multi_train_utils.options import HelpFormatter, OneLineErrorParser
 from multi_train_utils.signals import die_with_launcher
 
 SHM_MIN = 1 << 30  # below 1 GiB, loader workers die with "Bus error" (Docker's default is 64 MB)
@@ -52,26 +53,12 @@ STEP_FIXES = {
 }
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error instead of the usage block."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to each flag's help unless the help already says its default."""
-
-    def _get_help_string(self, action):
-        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
-
-
 def get_args_parser():
     """The doctor's flags."""
-    parser = _ArgumentParser(prog="python -m multi_train_utils.doctor",
+    parser = OneLineErrorParser(prog="python -m multi_train_utils.doctor",
                              description="Preflight check of a distributed job: run it under the launcher that runs "
                                          "training (torchrun, srun, --spawn N) to find why a job would hang.",
-                             formatter_class=_HelpFormatter)
+                             formatter_class=HelpFormatter)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda: what training will use")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                         help="process-group backend (default: nccl on cuda, gloo on cpu)")
@@ -394,15 +381,6 @@ def run_collectives(state, store, env, device, backend, deadline, size_mb):
         state["error"] = one_line(e)
 
 
-def _destroy_process_group(seconds=5.0):
-    """Destroy the process group, waiting at most ``seconds`` (it can block after a failure)."""
-    if not dist.is_initialized():
-        return
-    thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    thread.start()
-    thread.join(seconds)
-
-
 # ---- the report ----
 
 def rank_list(ranks):
@@ -641,7 +619,7 @@ def check_collectives(args, env, device, backend, store):
     if hung:  # a collective still blocks a thread: the process group cannot be destroyed
         sys.stdout.flush()
         os._exit(code)
-    _destroy_process_group()
+    cleanup(failed=True, seconds=5)  # leave without waiting long: rank 0 (the store's host) may be gone
     return code
 
 

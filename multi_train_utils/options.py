@@ -20,14 +20,14 @@ RUN_SETTINGS = ("model", "img_size", "val_rate", "seed")
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
 
 
-class _ArgumentParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse with a one-line error instead of the usage block."""
 
     def error(self, message):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to each flag's help unless the help already says its default."""
 
     def _get_help_string(self, action):
@@ -54,10 +54,10 @@ def _demo_defaults_text():
 
 def get_args_parser(distributed):
     """The parser of both scripts; ``distributed`` adds the DDP flags, else the single-process ones."""
-    parser = _ArgumentParser(
+    parser = OneLineErrorParser(
         description="Train an image classifier on a folder of class sub-folders"
         + (" with DistributedDataParallel (launch with torchrun)." if distributed else " on one device."),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", default="data/flower_photos", help="folder with one sub-folder of images per class")
