@@ -1,0 +1,139 @@
+"""Imbalanced classes: a class-balanced sampler that works under DDP, and class weights for the loss.
+
+``BalancedDistributedSampler`` takes the place of ``DistributedSampler`` (inside
+``my_dataset.EpochIndexSampler``): each epoch it makes one global draw with replacement, of
+the training set's length, in which every class is equally likely, seeded by (seed, epoch)
+alone, so that every rank draws the same and a resume repeats it; each rank then takes its
+own positions of that draw. Labels come from the dataset's ``targets`` (the split's labels for
+the built-in ``MyDataSet``), never from decoding images.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+from torch.utils.data import Sampler
+
+from multi_train_utils.errors import UserError
+from my_dataset import sample_seed
+
+# Added to --seed so that the balanced draw is not the same stream as the model's or the
+# augmentations' seeds of the same (seed, epoch).
+_DRAW_SALT = 104_729
+
+
+def training_labels(dataset):
+    """The label of every item of ``dataset`` (a ``SeededSamples`` is unwrapped), from its
+    ``targets``; ``None`` where the dataset has none. Never reads an image."""
+    while not hasattr(dataset, "targets") and hasattr(dataset, "dataset"):
+        dataset = dataset.dataset  # SeededSamples, torch's Subset-like wrappers
+    targets = getattr(dataset, "targets", None)
+    if targets is None:
+        return None
+    labels = [int(y) for y in targets]
+    if len(labels) != len(dataset):
+        raise UserError(f"the training dataset has {len(dataset)} items but {len(labels)} targets: "
+                        "targets must give the label of every item, in order")
+    return labels
+
+
+def class_counts(labels, num_classes):
+    """Images per class, as a list of ``num_classes`` ints; a label outside the classes is an error."""
+    counts = [0] * num_classes
+    for y in labels:
+        if not 0 <= int(y) < num_classes:
+            raise ValueError(f"label {y} is not one of the {num_classes} classes (0 to {num_classes - 1})")
+        counts[int(y)] += 1
+    return counts
+
+
+def class_weights(labels, num_classes):
+    """Loss weights for ``--class-weights balanced``: n_samples / (n_classes * count_c), as
+    scikit-learn's "balanced" (a class of average size gets 1, a rarer one more), as a float32
+    tensor for ``nn.CrossEntropyLoss(weight=...)``.
+
+    A class without training images gets weight 0, not an error and not infinity: no target
+    of it can occur, so its weight only matters to label smoothing's spread over all classes,
+    where an infinite weight would turn the loss into NaN.
+    """
+    counts = class_counts(labels, num_classes)
+    n = len(labels)
+    return torch.tensor([n / (num_classes * c) if c else 0.0 for c in counts], dtype=torch.float32)
+
+
+class Imbalance(NamedTuple):
+    """The largest and the smallest class of an imbalanced training set."""
+
+    largest: str
+    largest_count: int
+    smallest: str
+    smallest_count: int
+
+    def warning(self):
+        """The start summary's line: what is imbalanced, and the two flags that help."""
+        return (f"the classes are imbalanced: {self.largest} has {self.largest_count} training images, "
+                f"{self.smallest} {self.smallest_count}; consider --sampler balanced or --class-weights balanced")
+
+
+def find_imbalance(labels, classes, ratio=3.0) -> Optional[Imbalance]:
+    """The largest and smallest class (names and counts) where the largest has more than
+    ``ratio`` times the images of the smallest, else ``None``. Ties go to the first class in
+    label order; a class without images is the smallest (any other class is then "more")."""
+    counts = class_counts(labels, len(classes))
+    big = max(range(len(counts)), key=lambda c: (counts[c], -c))
+    small = min(range(len(counts)), key=lambda c: (counts[c], c))
+    if counts[big] > ratio * counts[small]:
+        return Imbalance(classes[big], counts[big], classes[small], counts[small])
+    return None
+
+
+class BalancedDistributedSampler(Sampler):
+    """Class-balanced sampling for one rank of ``num_replicas``, with replacement.
+
+    Each epoch: one draw of ``len(labels)`` indices in which every class (that has images) is
+    equally likely and, within a class, every image; the same on every rank, because it is
+    seeded by (seed, epoch) alone. As ``DistributedSampler`` (drop_last=False) does, the draw
+    is padded with its own first indices to a multiple of ``num_replicas``, and rank r takes
+    positions r, r + num_replicas, ...: ranks get disjoint positions of one draw, together
+    all of it. ``set_epoch`` and ``.epoch`` as DistributedSampler's, so
+    ``my_dataset.EpochIndexSampler`` wraps it unchanged.
+    """
+
+    def __init__(self, labels, num_replicas=1, rank=0, seed=0):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in 0 to {num_replicas - 1}")
+        labels = torch.as_tensor([int(y) for y in labels], dtype=torch.long)
+        if labels.numel() == 0:
+            raise ValueError("no labels: nothing to sample")
+        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+        self.size = labels.numel()
+        self.num_samples = math.ceil(self.size / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+        # Indices grouped by class (stable: in dataset order), with each present class's
+        # start and count: a draw is then a class, uniformly, and an image within it.
+        self.by_class = torch.argsort(labels, stable=True)
+        self.counts = torch.unique_consecutive(labels[self.by_class], return_counts=True)[1]
+        self.starts = torch.cumsum(self.counts, 0) - self.counts
+
+    def set_epoch(self, epoch):
+        """The epoch whose draw ``__iter__`` gives next."""
+        self.epoch = epoch
+
+    def global_draw(self):
+        """This epoch's draw for all ranks (before padding): ``len(labels)`` dataset indices."""
+        g = torch.Generator()
+        g.manual_seed(sample_seed(self.seed + _DRAW_SALT, self.epoch, 0))
+        # Two steps instead of torch.multinomial over 1/count per image: the same
+        # distribution, and no limit of 2**24 images.
+        cls = torch.randint(len(self.counts), (self.size,), generator=g)
+        within = (torch.rand(self.size, generator=g, dtype=torch.float64) * self.counts[cls]).long()
+        within = torch.minimum(within, self.counts[cls] - 1)  # rand * count rounds up to count in rare cases
+        return self.by_class[self.starts[cls] + within].tolist()
+
+    def __iter__(self):
+        indices = self.global_draw()
+        padding = self.total_size - len(indices)
+        indices += (indices * math.ceil(padding / len(indices)))[:padding]  # as DistributedSampler pads
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self):
+        return self.num_samples
