@@ -142,3 +142,46 @@ def test_metrics_are_the_same_for_any_split_of_the_images_into_batches():
         result = evaluate(model, batches_of(order, labels, batch_size), torch.device("cpu"), classes)
         assert torch.equal(result.confusion, confusion), batch_size
         assert result.top5_correct == top5, batch_size
+
+
+# --- the report of --eval-only and --eval-output -------------------------------------------------
+
+def test_eval_only_prints_every_metric_with_top1_last(capsys):
+    from multi_train_utils.summary import print_evaluation
+
+    print_evaluation(EvalResult(CONFUSION), ["a", "b", "c", "d", "e"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[5:] == [
+        "per-class precision, recall, F1 (nan: never predicted / no images / neither):",
+        "  a  0.500000  0.750000  0.600000",
+        "  b  0.666667  0.500000  0.571429",
+        "  c  0.000000  nan  0.000000",
+        "  d  nan  0.000000  0.000000",
+        "  e  nan  nan  nan",
+        "balanced accuracy: 0.416667  macro-F1: 0.292857",  # 1.25 / 3 and (0.6 + 4 / 7) / 4
+        "top1 accuracy: 0.500000 (5/10)",
+    ]
+    print_evaluation(EvalResult(CONFUSION, top5_correct=7), ["a", "b", "c", "d", "e"])
+    assert capsys.readouterr().out.splitlines()[-2:] == ["top5 accuracy: 0.700000 (7/10)",
+                                                        "top1 accuracy: 0.500000 (5/10)"]
+
+
+def test_eval_output_csv_holds_the_overall_and_per_class_metrics():
+    import csv
+    import io
+
+    from multi_train_utils.summary import evaluation_metrics_csv
+
+    overall, per_class = (list(csv.reader(io.StringIO(text)))
+                          for text in evaluation_metrics_csv(EvalResult(CONFUSION, top5_correct=7), list("abcde")))
+    assert [(name, float(value)) for name, value in overall[1:]] == [
+        ("top1_accuracy", 0.5), ("top5_accuracy", 0.7), ("balanced_accuracy", pytest.approx(1.25 / 3)),
+        ("macro_f1", pytest.approx((0.6 + 4 / 7) / 4)), ("images", 10)]
+    assert per_class[0] == ["class", "images", "predicted", "correct", "precision", "recall", "f1"]
+    assert [row[:4] for row in per_class[1:]] == [["a", "4", "6", "3"], ["b", "4", "3", "2"], ["c", "0", "1", "0"],
+                                                 ["d", "2", "0", "0"], ["e", "0", "0", "0"]]
+    same([float(row[4]) for row in per_class[1:]], [3 / 6, 2 / 3, 0.0, NAN, NAN])
+    same([float(row[5]) for row in per_class[1:]], [3 / 4, 2 / 4, NAN, 0.0, NAN])
+    same([float(row[6]) for row in per_class[1:]], [0.6, 4 / 7, 0.0, 0.0, NAN])
+    overall, _ = evaluation_metrics_csv(EvalResult(CONFUSION), list("abcde"))
+    assert "top5" not in overall  # 5 classes: no top-5
