@@ -106,8 +106,8 @@ def get_args_parser(distributed):
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
     run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
     run.add_argument("--keep-last", type=int, default=1, metavar="K", help="keep the last K model-{epoch}.pth files; 0 keeps every epoch's (model-best.pth and checkpoint.pth always stay; default: 1, the last epoch's)")
-    run.add_argument("--eval-only", action="store_true", help="only evaluate --weights (a model-*.pth or a checkpoint.pth) on the validation split and print per-class and top-1 accuracy; writes nothing unless --eval-output")
-    run.add_argument("--eval-output", default=None, metavar="DIR", help="with --eval-only: write confusion_matrix.png and confusion_matrix.csv into DIR")
+    run.add_argument("--eval-only", action="store_true", help="only evaluate --weights (a model-*.pth or a checkpoint.pth) on the validation split and print per-class accuracy, precision, recall and F1, balanced accuracy, macro-F1, top-5 and top-1 accuracy; writes nothing unless --eval-output")
+    run.add_argument("--eval-output", default=None, metavar="DIR", help="with --eval-only: write confusion_matrix.png, confusion_matrix.csv, overall_metrics.csv (top-1, top-5, balanced accuracy, macro-F1) and per_class_metrics.csv (precision, recall, F1) into DIR")
 
     if distributed:
         ddp = parser.add_argument_group("distributed")

@@ -5,9 +5,12 @@ import torch
 
 from model import count_parameters
 from multi_train_utils.example_data import DEMO_MARKER
+from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
 
 RULE = "-" * 78
+# What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
+EVALUATION_FILES = ("overall_metrics.csv", "per_class_metrics.csv")
 
 
 def describe_device(device):
@@ -97,19 +100,48 @@ def class_counts(dataset, classes):
 
 
 def print_evaluation(result, classes):
-    """Per-class accuracy lines, then ``top1 accuracy: 0.812500 (130/160)`` as the last line."""
+    """Per-class accuracy lines, per-class precision, recall and F1, balanced accuracy and
+    macro-F1, top-5 (more than 5 classes), then ``top1 accuracy: 0.812500 (130/160)`` as the
+    last line."""
     width = max(len(c) for c in classes)
     for i, name in enumerate(classes):
         row = result.confusion[i]
         total, correct = int(row.sum()), int(row[i])
         print(f"  {name:<{width}}  {correct / max(1, total):.6f} ({correct}/{total})")
+    # nan where undefined (EvalResult says when): a made-up 0 would read as a measured one
+    print("per-class precision, recall, F1 (nan: never predicted / no images / neither):")
+    for name, values in zip(classes, zip(result.precision, result.recall, result.f1)):
+        print(f"  {name:<{width}}  " + "  ".join(f"{v:.6f}" for v in values))
+    print(f"balanced accuracy: {result.balanced_accuracy:.6f}  macro-F1: {result.macro_f1:.6f}")
+    if result.top5_accuracy is not None:
+        print(f"top5 accuracy: {result.top5_accuracy:.6f} ({result.top5_correct}/{result.total})")
     print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
 
 
+def evaluation_metrics_csv(result, classes):
+    """(overall_metrics.csv, per_class_metrics.csv) as CSV text: ``metric,value`` rows (top-5
+    only with more than 5 classes), and a row per class with its counts, precision, recall
+    and F1 (nan where undefined, as EvalResult defines)."""
+    overall = [["metric", "value"], ["top1_accuracy", result.accuracy]]
+    if result.top5_accuracy is not None:
+        overall.append(["top5_accuracy", result.top5_accuracy])
+    overall += [["balanced_accuracy", result.balanced_accuracy], ["macro_f1", result.macro_f1],
+                ["images", result.total]]
+    per_class = [["class", "images", "predicted", "correct", "precision", "recall", "f1"]]
+    images, predicted = result.confusion.sum(dim=1).tolist(), result.confusion.sum(dim=0).tolist()
+    for i, name in enumerate(classes):
+        per_class.append([name, images[i], predicted[i], int(result.confusion[i, i]),
+                          result.precision[i], result.recall[i], result.f1[i]])
+    return csv_text(overall), csv_text(per_class)
+
+
 def report_evaluation(result, data, args):
-    """What --eval-only prints (data, per-class and top-1 accuracy) and, with --eval-output,
-    writes (the confusion matrix as PNG and CSV). Rank 0 only."""
+    """What --eval-only prints (data, per-class and overall metrics) and, with --eval-output,
+    writes (the confusion matrix as PNG and CSV, overall_metrics.csv, per_class_metrics.csv).
+    Rank 0 only."""
     print_data_summary(args, data)
     print_evaluation(result, data.classes)
     if args.eval_output:
         save_confusion_matrix(result.confusion, data.classes, args.eval_output, args.weights)
+        for text, name in zip(evaluation_metrics_csv(result, data.classes), EVALUATION_FILES):
+            write_text_atomic(text, os.path.join(args.eval_output, name))

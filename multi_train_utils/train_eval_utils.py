@@ -56,9 +56,17 @@ class LoopSettings:
 
 @dataclass
 class EvalResult:
-    """Confusion matrix of a validation pass: rows are true classes, columns predictions."""
+    """Counts of a validation pass, summed over ranks: the confusion matrix (rows are true
+    classes, columns predictions) and, with more than 5 classes, the top-5 hits.
+
+    Empty denominators: a class with no validation images has recall nan and is left out of
+    balanced accuracy; a class never predicted has precision nan; a class with neither images
+    nor predictions has F1 nan and is left out of macro-F1 (it tells nothing about the model).
+    A class with images but no predictions, or predictions but no images, has F1 0.
+    """
 
     confusion: torch.Tensor
+    top5_correct: Optional[int] = None  # None with 5 classes or fewer, where top-5 is always 100 %
 
     @property
     def correct(self):
@@ -68,9 +76,56 @@ class EvalResult:
     def total(self):
         return int(self.confusion.sum())
 
+    def _per_class(self, denominators):
+        """Diagonal over ``denominators`` per class as floats, nan where a denominator is 0."""
+        hits = self.confusion.diag().double()
+        denominators = denominators.double()
+        return torch.where(denominators > 0, hits / denominators.clamp(min=1), torch.full_like(hits, math.nan))
+
+    @property
+    def recall(self):
+        """Per-class recall (correct / validation images of the class); nan for a class
+        without validation images."""
+        return self._per_class(self.confusion.sum(dim=1)).tolist()
+
+    @property
+    def precision(self):
+        """Per-class precision (correct / predictions of the class); nan for a class the
+        model never predicted."""
+        return self._per_class(self.confusion.sum(dim=0)).tolist()
+
+    @property
+    def f1(self):
+        """Per-class F1 = 2 TP / (2 TP + FP + FN), which is 0 rather than undefined when only
+        precision is; nan for a class with neither images nor predictions."""
+        return self._per_class((self.confusion.sum(dim=0) + self.confusion.sum(dim=1)).div(2)).tolist()
+
+    @property
+    def balanced_accuracy(self):
+        """Mean recall over the classes that have validation images (0.0 when none has)."""
+        return _nanmean(self.recall)
+
+    @property
+    def macro_f1(self):
+        """Mean F1 over the classes with validation images or predictions (0.0 when none)."""
+        return _nanmean(self.f1)
+
+    @property
+    def top5_accuracy(self):
+        """Share of images whose class is among the 5 highest logits; None with 5 classes or fewer."""
+        if self.top5_correct is None:
+            return None
+        return self.top5_correct / max(1, self.total)
+
     @property
     def accuracy(self):
         return self.correct / max(1, self.total)
+
+
+def _nanmean(values):
+    """Mean of the values that are not nan; 0.0 when all are (like accuracy with no images)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else 0.0
 
 
 def create_loss():
@@ -221,18 +276,27 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     broadcast_buffers(model)
     model.eval()
     to_device = DeviceNormalizer(device, settings.channels_last)
-    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+    # One counter tensor, so one all-reduce: the confusion matrix, then the top-5 hits.
+    cells = num_classes * num_classes
+    top5 = num_classes > 5
+    counts = torch.zeros(cells + 1, dtype=torch.int64, device=device)
     batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
     for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
         images, labels = to_device(images, labels)
         batch_size = batch_size or len(labels)
         images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
         with settings.precision.autocast():
-            predictions = model(images).argmax(dim=1)
+            logits = model(images)
+        predictions = logits.argmax(dim=1)
         # index_add_, not bincount: bincount reads its input's min and max back to the host.
-        confusion.index_add_(0, labels * num_classes + predictions, weights)
-    all_reduce_sum(confusion)
-    return EvalResult(confusion.view(num_classes, num_classes).cpu())
+        counts[:cells].index_add_(0, labels * num_classes + predictions, weights)
+        if top5:
+            hits = (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1)
+            counts[cells:].add_((hits * weights).sum())  # weights: padded rows count 0
+    all_reduce_sum(counts)
+    counts = counts.cpu()
+    top5_correct = counts[cells:].tolist()[0] if top5 else None  # tolist: read on the host copy
+    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct)
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):

@@ -272,10 +272,18 @@ def test_eval_only_writes_the_confusion_matrix_only_with_eval_output(single_run,
     assert result.returncode == 0, result.stderr
     correct = round(float(read_metrics(out)[-1]["val_accuracy"]) * 7)  # checkpoint.pth: the last epoch
     assert result.stdout.strip().splitlines()[-1] == f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
-    assert sorted(os.listdir(target)) == ["confusion_matrix.csv", "confusion_matrix.png"]
+    assert sorted(os.listdir(target)) == ["confusion_matrix.csv", "confusion_matrix.png", "overall_metrics.csv",
+                                          "per_class_metrics.csv"]
     with open(target / "confusion_matrix.csv") as f:
         counts = [[int(v) for v in r[1:]] for r in list(csv.reader(f))[1:]]
     assert sum(map(sum, counts)) == 7 and sum(counts[i][i] for i in range(5)) == correct
+    with open(target / "overall_metrics.csv") as f:
+        overall = dict(list(csv.reader(f))[1:])
+    assert float(overall["top1_accuracy"]) == correct / 7 and int(overall["images"]) == 7
+    assert "top5_accuracy" not in overall  # 5 classes
+    with open(target / "per_class_metrics.csv") as f:
+        per_class = list(csv.reader(f))[1:]
+    assert [int(r[1]) for r in per_class] == [sum(row) for row in counts]  # images per class
     assert sorted(os.listdir(tmp_path)) == ["evaluation"]  # nothing else written
 
 
