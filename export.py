@@ -20,7 +20,7 @@ import torch
 from multi_train_utils.errors import UserError, printable, run_cli
 from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import load_trained_model, trained_model_files
+from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
 
 TOLERANCE = 1e-4
 SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
@@ -99,8 +99,10 @@ def main(argv=None):
     finally:
         if os.path.exists(unchecked):
             os.remove(unchecked)  # never leave a file that was not checked
+    resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
     print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
-                    f"{img_size}) normalised); max difference to the eager model on a check batch: {difference:.2e}"))
+                    f"{img_size}): shorter side resized to {resize}, center-cropped, normalised with ImageNet's "
+                    f"mean and std); max difference to the eager model on a check batch: {difference:.2e}"))
 
 
 def unchecked_path(output):

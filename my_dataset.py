@@ -51,7 +51,7 @@ def build_datasets(args):
         from torchvision.datasets import ImageFolder
         from torchvision.transforms import v2
 
-        train_tf, val_tf = build_transforms(args.img_size)  # on uint8 tensors
+        train_tf, val_tf = build_transforms(args.img_size, **augment_settings(args))  # on uint8 tensors
         train = ImageFolder("data/train", transform=v2.Compose([v2.ToImage(), train_tf]))
         val = ImageFolder("data/val", transform=v2.Compose([v2.ToImage(), val_tf]))
         return Datasets(train, val, train.classes)  # val.classes must be the same
@@ -62,16 +62,26 @@ def build_datasets(args):
         split = read_label_files(args.train_list, args.val_list, args.val_rate, args.seed)
     else:
         split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
-    return image_file_datasets(split, args.img_size)
+    return image_file_datasets(split, args.img_size, augment_settings(args))
 
 
-def image_file_datasets(split, img_size):
-    """The built-in datasets of a split (lists of image files and labels) at ``img_size``."""
-    train_transform, val_transform = build_transforms(img_size)
+def augment_settings(args):
+    """build_transforms' keyword arguments from the flags (--auto-augment, --random-erase,
+    --val-resize-size); flags a dataset's args lack keep their defaults."""
+    return {"auto_augment": getattr(args, "auto_augment", "none"), "random_erase": getattr(args, "random_erase", 0.0),
+            "val_resize_size": getattr(args, "val_resize_size", None)}
+
+
+def image_file_datasets(split, img_size, augment=None):
+    """The built-in datasets of a split (lists of image files and labels) at ``img_size``;
+    ``augment``: build_transforms' keyword arguments."""
+    augment = augment or {}
+    train_transform, val_transform = build_transforms(img_size, **augment)
     # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
     # crops of a quarter of the image or more lose nothing), validation its resize size.
+    val_side = augment.get("val_resize_size") or resize_size(img_size)
     train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size)
-    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=resize_size(img_size))
+    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=val_side)
     return Datasets(train, val, split.classes, split.skipped, split.skip_reasons, split.notes)
 
 

@@ -20,10 +20,9 @@ from tqdm import tqdm
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
 from multi_train_utils.files import check_new_output, write_csv_atomic
-from multi_train_utils.images import (DeviceNormalizer, build_transforms, read_image_uint8, resize_size,
-                                     unreadable_reason)
+from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import load_trained_model, trained_model_files
+from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
 from utils import IMG_EXTENSIONS
 
 
@@ -129,8 +128,9 @@ def main(argv=None):
     model, _, img_size, classes = load_trained_model(args)
     model.to(device)
 
-    _, transform = build_transforms(img_size)  # the validation transform: resize + center crop
-    dataset = ImageFiles(paths, transform, keep_side=resize_size(img_size))
+    val_resize = read_val_resize_size(args, img_size)  # the run's --val-resize-size
+    _, transform = build_transforms(img_size, val_resize_size=val_resize)  # the validation transform
+    dataset = ImageFiles(paths, transform, keep_side=val_resize)
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1, max(0, len(paths) // 8))
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers, collate_fn=dataset.collate_fn,
                         pin_memory=device.type == "cuda")

@@ -21,14 +21,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import build_model
+from multi_train_utils.balance import BalancedDistributedSampler, loss_class_weights, required_labels
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
                                                  configure_cpu_threads, connect_store, default_workers,
                                                  init_distributed_mode, meet_node_peers, processes_sharing_cores,
                                                  read_dist_env, select_device, start_local_processes,
                                                  use_sync_bn)
+from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import file_list_fingerprint, load_data, read_inputs, resume_hint
+from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -36,8 +39,8 @@ from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import die_with_launcher, install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
-from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
-                                                optimizer_steps_per_epoch, train_one_epoch)
+from multi_train_utils.train_eval_utils import (LoopSettings, create_loss, create_lr_scheduler, create_optimizer,
+                                                evaluate, optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
 from utils import make_loaders
 
@@ -79,9 +82,14 @@ def main(argv=None):
         num_classes = len(data.classes)
         train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
 
-        # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch);
+        # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch)
+        #    (--sampler balanced: of one class-balanced draw with replacement per (seed, epoch));
         #    validation is sharded without padding so every image counts exactly once.
-        train_sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed)
+        if args.sampler == "balanced":
+            train_sampler = BalancedDistributedSampler(required_labels(train_set, "--sampler balanced"),
+                                                       num_replicas=env.world_size, rank=env.rank, seed=args.seed)
+        else:
+            train_sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed)
         train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
         val_batch_sampler = BatchSampler(ShardSampler(len(val_set), env.rank, env.world_size), args.batch_size,
                                          drop_last=False)
@@ -113,11 +121,15 @@ def main(argv=None):
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
         lr = args.lr * env.world_size if args.scale_lr else args.lr
-        optimizer = create_optimizer(model, lr, args)  # SGD; edit create_optimizer for your own
+        optimizer = create_optimizer(model, lr, args)  # --opt sgd / adamw; edit create_optimizer for your own
         scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
-        start_epoch = restore_training_state(checkpoint, optimizer, lr, scaler)  # 0 for a fresh start
+        ema = make_model_ema(args, model)  # --model-ema: the same on every rank (see ema.py)
+        start_epoch = restore_training_state(checkpoint, optimizer, lr, scaler, ema)  # 0 for a fresh start
         lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
-                                           args.epochs, args.warmup_epochs, args.lrf, start_epoch)
+                                           args.epochs, args.warmup_epochs, args.lrf, start_epoch,
+                                           args.lr_scheduler, args.lr_step_size, args.lr_gamma)
+        loss_function = create_loss(args.label_smoothing, loss_class_weights(args, train_set, num_classes))
+        mixer = make_batch_mixer(args, num_classes, env.rank)  # --mixup-alpha, --cutmix-alpha: seeded per rank
 
         if is_main:  # only rank 0 writes (see 7.)
             clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
@@ -131,16 +143,19 @@ def main(argv=None):
             recorder.plot_data(data, train_set)
         with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
             for epoch in range(start_epoch, args.epochs):
+                if recorder.stop_reason:  # --patience ran out (every rank sees the same metrics)
+                    break
                 start = time.perf_counter()
                 seed_epoch(args.seed, epoch, env.rank)  # dropout & co: the same on a rerun or resume
                 train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
                 # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
                 train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler,
-                                              settings)
+                                              settings, loss_function, mixer, ema)
                 result = evaluate(model, val_loader, device, num_classes, settings)
+                ema_result = evaluate(ema.module, val_loader, device, num_classes, settings) if ema else None
                 # 7. Rank 0 saves the checkpoint, the epoch's weights and metrics.csv (the others skip it).
                 recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
-                                   time.perf_counter() - start)
+                                   time.perf_counter() - start, ema, ema_result)
             recorder.finish()  # curves, confusion matrix, end summary
     finally:
         # 8. Every process leaves the process group; on an error without waiting long for peers

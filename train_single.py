@@ -11,10 +11,13 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from model import AutocastModule, build_model
+from multi_train_utils.balance import BalancedDistributedSampler, loss_class_weights, required_labels
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import configure_cpu_threads, default_workers, select_device
+from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import file_list_fingerprint, read_inputs, resume_hint
+from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -22,8 +25,8 @@ from multi_train_utils.run_files import clear_earlier_run
 from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
-from multi_train_utils.train_eval_utils import (LoopSettings, create_lr_scheduler, create_optimizer, evaluate,
-                                                optimizer_steps_per_epoch, train_one_epoch)
+from multi_train_utils.train_eval_utils import (LoopSettings, create_loss, create_lr_scheduler, create_optimizer,
+                                                evaluate, optimizer_steps_per_epoch, train_one_epoch)
 from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
 from utils import make_loaders
 
@@ -46,7 +49,11 @@ def main(argv=None):
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
     # and the same on every rerun (or resume) with this --seed.
-    train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+    # --sampler balanced: a class-balanced draw with replacement, seeded by (seed, epoch) alike.
+    if args.sampler == "balanced":
+        train_sampler = BalancedDistributedSampler(required_labels(train_set, "--sampler balanced"), seed=args.seed)
+    else:
+        train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
     train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     workers = args.workers if args.workers is not None else default_workers()
@@ -67,11 +74,15 @@ def main(argv=None):
         report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args)
         return
 
-    optimizer = create_optimizer(model, args.lr, args)  # SGD; edit create_optimizer for your own
+    optimizer = create_optimizer(model, args.lr, args)  # --opt sgd / adamw; edit create_optimizer for your own
     scaler = precision.grad_scaler()  # loss scaling for fp16; a no-op otherwise
-    start_epoch = restore_training_state(checkpoint, optimizer, args.lr, scaler)  # 0 for a fresh start
+    ema = make_model_ema(args, model)  # --model-ema
+    start_epoch = restore_training_state(checkpoint, optimizer, args.lr, scaler, ema)  # 0 for a fresh start
     lr_scheduler = create_lr_scheduler(optimizer, optimizer_steps_per_epoch(len(train_loader), args.accum_steps),
-                                       args.epochs, args.warmup_epochs, args.lrf, start_epoch)
+                                       args.epochs, args.warmup_epochs, args.lrf, start_epoch,
+                                       args.lr_scheduler, args.lr_step_size, args.lr_gamma)
+    loss_function = create_loss(args.label_smoothing, loss_class_weights(args, train_set, num_classes))
+    mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     clear_earlier_run(args, checkpoint)  # leftover temporary files; with --overwrite, the earlier run
     set_aside_damaged_checkpoint(args.output_dir, resume_path)  # resumed from checkpoint-prev.pth
@@ -81,14 +92,17 @@ def main(argv=None):
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
         for epoch in range(start_epoch, args.epochs):
+            if recorder.stop_reason:  # --patience ran out
+                break
             start = time.perf_counter()
             seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
             train_sampler.set_epoch(epoch)
             train_stats = train_one_epoch(model, optimizer, train_loader, device, epoch, lr_scheduler, scaler,
-                                          settings)
+                                          settings, loss_function, mixer, ema)
             result = evaluate(model, val_loader, device, num_classes, settings)
+            ema_result = evaluate(ema.module, val_loader, device, num_classes, settings) if ema else None
             recorder.end_epoch(epoch, model, optimizer, lr_scheduler, scaler, train_stats, result,
-                               time.perf_counter() - start)
+                               time.perf_counter() - start, ema, ema_result)
         recorder.finish()  # curves, confusion matrix, end summary
 
 

@@ -36,6 +36,22 @@ def training_labels(dataset):
     return labels
 
 
+def required_labels(dataset, flag):
+    """``training_labels(dataset)``, or a UserError naming ``flag`` when the dataset has no targets."""
+    labels = training_labels(dataset)
+    if labels is None:
+        raise UserError(f"{flag}: the training dataset has no .targets (the label of every item, in order); "
+                        "give it one (see the contract in my_dataset.py) or leave the flag out")
+    return labels
+
+
+def loss_class_weights(args, dataset, num_classes):
+    """--class-weights balanced: ``class_weights`` of the training labels; None for none."""
+    if args.class_weights != "balanced":
+        return None
+    return class_weights(required_labels(dataset, "--class-weights balanced"), num_classes)
+
+
 def class_counts(labels, num_classes):
     """Images per class, as a list of ``num_classes`` ints; a label outside the classes is an error."""
     counts = [0] * num_classes

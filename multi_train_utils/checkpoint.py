@@ -9,9 +9,9 @@ import tempfile
 
 import torch
 
-from multi_train_utils.errors import UserError, disk_full_error
-from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT_LIST,
-                                    TEXT_OR_NULL, WHOLE_NUMBER, check_fields, safe_load, save_atomic)
+from multi_train_utils.errors import UserError, disk_full_error, one_line
+from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
+                                    TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, safe_load, save_atomic)
 
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
@@ -19,7 +19,13 @@ PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newes
 CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_NUMBER, "classes": TEXT_LIST,
                      "args": MAPPING, "metrics": ROWS, "best_accuracy": NUMBER, "best_epoch": WHOLE_NUMBER,
                      "best_confusion": TENSOR_OR_NULL, "log_dir": TEXT_OR_NULL, "world_size": WHOLE_NUMBER,
-                     "scaler": MAPPING_OR_NULL, "rng": MAPPING}
+                     "scaler": MAPPING_OR_NULL, "rng": MAPPING, "model_ema": MAPPING_OR_NULL,
+                     "best_value": NUMBER, "best_source": TEXT, "stopped_early": TEXT_OR_NULL}
+# Flags a resume must repeat, with the value a checkpoint without them was trained with:
+# another optimizer or other parameter groups cannot take the saved optimizer state, and
+# another --best-metric would compare the saved best with a different figure.
+SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
+                  "best_metric": "accuracy"}
 
 
 def resumes_in(resume_path, output_dir):
@@ -118,34 +124,55 @@ def set_aside_damaged_checkpoint(output_dir, resume_path):
 
 
 def check_resume_compatible(checkpoint, path, args, classes, epochs):
-    """The checkpoint must be of the same classes, model and frozen layers."""
+    """The checkpoint must be of the same classes, and of the same flags of SAME_ON_RESUME
+    (model, frozen layers, optimizer and its parameter groups, EMA, --best-metric)."""
     if list(checkpoint["classes"]) != list(classes):
         raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
                         f"{classes}; resume with the same class folders or start a new --output-dir")
-    for flag in ("model", "freeze_layers"):
-        if checkpoint["args"].get(flag, getattr(args, flag)) != getattr(args, flag):
-            value = checkpoint["args"].get(flag)
-            raise UserError(f"--resume {path}: trained with --{flag.replace('_', '-')} {value}; resume with the same")
+    for flag, old_default in SAME_ON_RESUME.items():
+        value = checkpoint["args"].get(flag, getattr(args, flag) if old_default is None else old_default)
+        if value != getattr(args, flag):
+            raise UserError(f"--resume {path}: trained with {describe_flag(flag, value)}, this run has "
+                            f"{describe_flag(flag, getattr(args, flag))}; resume with the same, or start a new "
+                            "--output-dir")
     if int(checkpoint["epoch"]) + 1 > epochs:
         raise UserError(f"--resume {path}: already trained {int(checkpoint['epoch']) + 1} epochs, more than "
                         f"--epochs {epochs}; raise --epochs to train more")
 
 
-def restore_training_state(checkpoint, optimizer, base_lr, scaler=None):
-    """Load the optimizer's, the fp16 GradScaler's and the RNG states; return the epoch to
-    continue with.
+def describe_flag(flag, value):
+    """How a flag and its value are typed: --opt sgd, --model-ema, --no-model-ema."""
+    name = flag.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}" if flag in ("norm_bias_decay", "freeze_layers") else \
+            f"no --{name}"
+    return f"--{name} {value}"
+
+
+def restore_training_state(checkpoint, optimizer, base_lr, scaler=None, ema=None):
+    """Load the optimizer's, the fp16 GradScaler's, the EMA's and the RNG states; return the
+    epoch to continue with.
 
     The learning rate is re-derived (``base_lr``, for the current world size) rather than
-    taken from the checkpoint; the scheduler is then created at the checkpoint's epoch.
+    taken from the checkpoint, and the weight decay of each group is this run's; the
+    scheduler is then created at the checkpoint's epoch.
     """
     if checkpoint is None:
         return 0
+    weight_decays = [group["weight_decay"] for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--resume: the checkpoint's optimizer state does not fit this model ({e})") from None
-    for group in optimizer.param_groups:
+    for group, weight_decay in zip(optimizer.param_groups, weight_decays):
         group["lr"] = group["initial_lr"] = base_lr
+        group["weight_decay"] = weight_decay
+    if ema is not None:
+        try:
+            ema.load_state_dict(checkpoint["model_ema"])
+        except (KeyError, TypeError, RuntimeError) as e:
+            raise UserError(f"--resume: the checkpoint's EMA weights do not fit this model ({one_line(e)}); "
+                            "resume from another checkpoint, or start over with --overwrite") from None
     if scaler is not None and scaler.is_enabled() and checkpoint.get("scaler"):
         scaler.load_state_dict(checkpoint["scaler"])  # else (another --amp before) it starts afresh
     try:

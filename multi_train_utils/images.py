@@ -145,15 +145,29 @@ def resize_size(img_size):
     return round(img_size * 256 / 224)
 
 
-def build_transforms(img_size):
-    """Train: random resized crop + horizontal flip; val: resize + center crop.
+AUTO_AUGMENT = {"ta_wide": v2.TrivialAugmentWide, "randaugment": v2.RandAugment, "autoaugment": v2.AutoAugment,
+                "augmix": v2.AugMix}
+# Random erasing fills with ImageNet's mean colour in 0-255: after normalisation that is 0,
+# what torchvision's references erase to (they erase the normalised float image).
+ERASE_VALUE = [round(255 * m) for m in IMAGENET_MEAN]
 
-    Both work on uint8 tensors; conversion to float and normalisation with ImageNet's mean
+
+def build_transforms(img_size, auto_augment="none", random_erase=0.0, val_resize_size=None):
+    """Train: random resized crop + horizontal flip, then an ``auto_augment`` policy
+    (ta_wide, randaugment, autoaugment, augmix) and random erasing with probability
+    ``random_erase`` where asked; val: resize (shorter side to ``val_resize_size``, default
+    ``resize_size(img_size)``) + center crop.
+
+    All work on uint8 tensors; conversion to float and normalisation with ImageNet's mean
     and std happen on the device, in the training loop (``DeviceNormalizer``).
     """
-    train = v2.Compose([v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()])
-    val = v2.Compose([v2.Resize(resize_size(img_size), antialias=True), v2.CenterCrop(img_size)])
-    return train, val
+    train = [v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
+    if auto_augment and auto_augment != "none":
+        train.append(AUTO_AUGMENT[auto_augment]())
+    if random_erase > 0:
+        train.append(v2.RandomErasing(p=random_erase, value=ERASE_VALUE))
+    val = v2.Compose([v2.Resize(val_resize_size or resize_size(img_size), antialias=True), v2.CenterCrop(img_size)])
+    return v2.Compose(train), val
 
 
 # --- On the device -------------------------------------------------------------------------------

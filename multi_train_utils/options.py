@@ -14,7 +14,7 @@ from multi_train_utils.run_files import read_run_args
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "val_rate", "seed")
+RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed")
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
@@ -66,7 +66,8 @@ def get_args_parser(distributed):
     data.add_argument("--val-list", default=None, metavar="CSV", help="with --train-list: the validation images, as a CSV like it (default: split --train-list by --val-rate)")
     data.add_argument("--val-rate", type=finite_float, default=0.2, help="share of each class held out for validation")
     data.add_argument("--num-classes", "--num_classes", type=int, default=None, help="number of classes (default: the number of classes in the data; any other value is an error)")
-    data.add_argument("--img-size", type=int, default=224, help="training and validation image size in pixels")
+    data.add_argument("--img-size", type=int, default=224, help="training crop and validation image size in pixels")
+    data.add_argument("--val-resize-size", type=int, default=None, metavar="N", help="validation (and predict.py) images: shorter side resized to N, then center-cropped to --img-size (default: round(img-size x 256/224), as torchvision's references)")
     data.add_argument("--workers", type=int, default=None, help="data loader processes per training process (default: this process's share of the cores)")
     data.add_argument("--download", action="store_true", help="download the tutorial's flower_photos (228 MB, checked by SHA-256) to --data-path first, unless it is there")
     data.add_argument("--demo", action="store_true", help=f"generate a small flower-like dataset (once) and train on it; sets {_demo_defaults_text()} unless given")
@@ -76,14 +77,32 @@ def get_args_parser(distributed):
     model.add_argument("--weights", default="", help="initial weights (default: none, random init): a .pth state dict (tensors whose shape fits are loaded, e.g. resnet34-333f7ec4.pth without its 1000-class head), or torchvision's weights name such as DEFAULT or IMAGENET1K_V1 (downloads)")
     model.add_argument("--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the classifier head (fc / classifier / heads)")
 
+    augment = parser.add_argument_group("augmentation and loss (all off by default)")
+    augment.add_argument("--auto-augment", default="none", choices=["none", "ta_wide", "randaugment", "autoaugment", "augmix"], help="an automatic augmentation policy after the random crop and flip (torchvision v2; ta_wide: TrivialAugmentWide)")
+    augment.add_argument("--random-erase", type=finite_float, default=0.0, metavar="P", help="erase a random rectangle of each training image with probability P (to the mean colour)")
+    augment.add_argument("--mixup-alpha", type=finite_float, default=0.0, metavar="A", help="MixUp of training batches with Beta(A, A) weights (0: off; 0.2 is usual)")
+    augment.add_argument("--cutmix-alpha", type=finite_float, default=0.0, metavar="A", help="CutMix of training batches with Beta(A, A) areas (0: off; 1.0 is usual); with --mixup-alpha, each batch gets one of the two")
+    augment.add_argument("--label-smoothing", type=finite_float, default=0.0, metavar="S", help="cross-entropy against 1 - S on the true class and S spread over all classes (0.1 is usual)")
+
+    imbalance = parser.add_argument_group("imbalanced classes")
+    imbalance.add_argument("--class-weights", default="none", choices=["none", "balanced"], help="balanced: weigh each class's loss by n_images / (n_classes x its training images)")
+    imbalance.add_argument("--sampler", default="shuffle", choices=["shuffle", "balanced"], help="balanced: draw training images with replacement so that every class is equally likely (the same draws on every rank and on resume)")
+
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=int, default=30, help="number of epochs (counted from 0)")
     optim.add_argument("--batch-size", type=int, default=16, help="images per step per process")
     optim.add_argument("--lr", type=finite_float, default=0.001, help="initial learning rate" + (" for one process (multiplied by the world size unless --no-scale-lr)" if distributed else ""))
+    optim.add_argument("--opt", default="sgd", choices=["sgd", "adamw"], help="optimizer: SGD with momentum, or AdamW")
+    optim.add_argument("--lr-scheduler", default="cosine", choices=["cosine", "step"], help="after the warm-up: cosine from --lr to --lr x --lrf, or steps of x --lr-gamma every --lr-step-size epochs")
     optim.add_argument("--lrf", type=finite_float, default=0.1, help="final learning rate as a fraction of --lr (cosine schedule)")
-    optim.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear learning-rate warm-up before the cosine schedule")
+    optim.add_argument("--lr-step-size", type=int, default=30, metavar="N", help="step schedule: multiply the rate by --lr-gamma every N epochs")
+    optim.add_argument("--lr-gamma", type=finite_float, default=0.1, help="step schedule: the factor of each step")
+    optim.add_argument("--warmup-epochs", type=int, default=0, help="epochs of linear learning-rate warm-up before the schedule")
     optim.add_argument("--momentum", type=finite_float, default=0.9, help="SGD momentum")
-    optim.add_argument("--weight-decay", type=finite_float, default=0.005, help="SGD weight decay")
+    optim.add_argument("--weight-decay", type=finite_float, default=None, help="weight decay (default: 0.005 for SGD, 0.05 for AdamW)")
+    optim.add_argument("--norm-bias-decay", action=argparse.BooleanOptionalAction, default=True, help="weight decay on normalisation layers and biases too; --no-norm-bias-decay leaves them out, as for transformers and modern recipes")
+    optim.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights, evaluate it every epoch; model-best.pth is the better of the two")
+    optim.add_argument("--model-ema-decay", type=finite_float, default=0.9998, metavar="D", help="EMA decay per optimizer step (warmed up: min(D, (1 + n) / (10 + n)) after n updates)")
     optim.add_argument("--seed", type=int, default=0, help="seed of the split, the initial weights, the data order and the augmentations")
     if distributed:
         optim.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True, help="multiply --lr by the world size (linear scaling rule)")
@@ -106,6 +125,8 @@ def get_args_parser(distributed):
     run.add_argument("--overwrite", action="store_true", help="replace the files of an earlier run in --output-dir")
     run.add_argument("--resume", default=None, metavar="PATH|auto", help="continue from a checkpoint.pth; auto: from <output-dir>/checkpoint.pth if there is one, else start fresh (default: none)")
     run.add_argument("--keep-last", type=int, default=1, metavar="K", help="keep the last K model-{epoch}.pth files; 0 keeps every epoch's (model-best.pth and checkpoint.pth always stay; default: 1, the last epoch's)")
+    run.add_argument("--best-metric", default="accuracy", choices=["accuracy", "balanced_accuracy", "macro_f1", "loss"], help="validation metric that picks model-best.pth (and --patience's improvement); loss: the lowest")
+    run.add_argument("--patience", type=int, default=0, metavar="N", help="stop early after N epochs without a better --best-metric (0: never; the checkpoint records it, --resume auto then finds the run complete)")
     run.add_argument("--eval-only", action="store_true", help="only evaluate --weights (a model-*.pth or a checkpoint.pth) on the validation split and print per-class accuracy, precision, recall and F1, balanced accuracy, macro-F1, top-5 and top-1 accuracy; writes nothing unless --eval-output")
     run.add_argument("--eval-output", default=None, metavar="DIR", help="with --eval-only: write confusion_matrix.png, confusion_matrix.csv, overall_metrics.csv (top-1, top-5, balanced accuracy, macro-F1) and per_class_metrics.csv (precision, recall, F1) into DIR")
 
@@ -146,7 +167,10 @@ def parse_args(parser, argv=None):
         if not args.weights:
             raise UserError("--eval-only needs --weights PATH (e.g. weights/model-best.pth)")
         take_run_settings(args, given)
+    if args.weight_decay is None:  # each optimizer's usual value
+        args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
     check_numbers(args)
+    check_recipe_numbers(args)
     check_data_flags(args, given)
     return args
 
@@ -207,6 +231,29 @@ def check_numbers(args):
         raise UserError(f"--momentum {args.momentum}: must be below 1 (at 1 or more the updates grow without end)")
 
 
+def check_recipe_numbers(args):
+    """The augmentation, EMA, schedule and early-stopping flags: in their ranges."""
+    for flag, low, high in (("random_erase", 0, 1), ("label_smoothing", 0, 1)):
+        value = getattr(args, flag)
+        if not low <= value <= high or (flag == "label_smoothing" and value == 1):
+            raise UserError(f"--{flag.replace('_', '-')} {value}: must be from 0 to 1"
+                            + (" (below 1)" if flag == "label_smoothing" else ""))
+    for flag in ("mixup_alpha", "cutmix_alpha"):
+        if getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must not be negative (0: off)")
+    if not 0 < args.model_ema_decay < 1:
+        raise UserError(f"--model-ema-decay {args.model_ema_decay}: must be above 0 and below 1 (e.g. 0.9998)")
+    if args.val_resize_size is not None and args.val_resize_size < args.img_size:
+        raise UserError(f"--val-resize-size {args.val_resize_size}: must be at least --img-size {args.img_size} "
+                        "(the center crop is taken from the resized image)")
+    if args.lr_step_size < 1:
+        raise UserError(f"--lr-step-size {args.lr_step_size}: must be at least 1 epoch")
+    if args.lr_gamma <= 0:
+        raise UserError(f"--lr-gamma {args.lr_gamma}: must be positive")
+    if args.patience < 0:
+        raise UserError(f"--patience {args.patience}: must be 0 (never stop early) or more")
+
+
 def check_data_flags(args, given=()):
     """Class folders (--data-path, --val-path) or label files (--train-list, --val-list): not both."""
     if args.train_list and "data_path" in given:
@@ -225,4 +272,5 @@ def add_trained_model_flags(parser):
     parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
     parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
     parser.add_argument("--img-size", type=int, default=None, help="image size (default: from args.json beside the weights)")
+    parser.add_argument("--val-resize-size", type=int, default=None, metavar="N", help="shorter side resized to N before the center crop (default: from args.json beside the weights, else round(img-size x 256/224))")
     parser.add_argument("--class-indices", default=None, help="class_indices.json (default: the one beside the weights)")

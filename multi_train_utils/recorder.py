@@ -12,6 +12,7 @@ from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_cla
 from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, model_epoch_files, write_metrics,
                                          write_run_settings)
 from multi_train_utils.summary import class_counts, print_end_summary
+from multi_train_utils.train_eval_utils import is_better
 
 
 class RunRecorder:
@@ -37,9 +38,14 @@ class RunRecorder:
         self.output_dir = args.output_dir
         checkpoint = checkpoint or {}
         self.rows = list(checkpoint.get("metrics", []))
+        # The best epoch by --best-metric, of the model or its EMA (best_source); kept on
+        # every rank, since every rank decides alike when --patience runs out.
         self.best_accuracy = checkpoint.get("best_accuracy", -1.0)
+        self.best_value = checkpoint.get("best_value", self.best_accuracy if checkpoint else None)
         self.best_epoch = checkpoint.get("best_epoch", -1)
+        self.best_source = checkpoint.get("best_source", "model")
         self.best_confusion = checkpoint.get("best_confusion")
+        self.stop_reason = self._patience_ran_out(int(checkpoint["epoch"])) if checkpoint else None
         self.started = time.perf_counter()
         self.drawn = []  # the pictures plot_data drew
         self.run_log = run_log
@@ -60,7 +66,8 @@ class RunRecorder:
         write_run_settings(self.output_dir, args, classes)  # args.json, class_indices.json
         if checkpoint:
             self._report_resume(checkpoint, resume_path)
-            self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"])
+            self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"],
+                                    (checkpoint.get("model_ema") or {}).get("weights"))
         else:
             write_metrics(self.output_dir, self.rows)
         from torch.utils.tensorboard import SummaryWriter  # slow import: only where needed
@@ -68,9 +75,20 @@ class RunRecorder:
         self.writer = SummaryWriter(log_dir=self.log_dir,
                                     purge_step=int(checkpoint["epoch"]) + 1 if checkpoint else None)
 
+    def _patience_ran_out(self, epoch):
+        """Why the run ends after ``epoch`` under --patience, or None if it goes on."""
+        patience = self.args.patience
+        if patience and self.best_epoch >= 0 and epoch - self.best_epoch >= patience:
+            return (f"stopped early after epoch {epoch}: no better val {self.args.best_metric} for {patience} "
+                    f"epochs (--patience {patience}; best at epoch {self.best_epoch})")
+        return None
+
     def _report_resume(self, checkpoint, resume_path):
         epoch, world_size = int(checkpoint["epoch"]), self.world_size
-        if epoch + 1 >= self.args.epochs:
+        if self.stop_reason:
+            print(f"resuming from {resume_path}: the run is already complete ({self.stop_reason}); to train on, "
+                  "resume with a larger --patience, or 0", flush=True)
+        elif epoch + 1 >= self.args.epochs:
             print(f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
                   "to train longer, run it again with a larger --epochs and --resume auto", flush=True)
         else:
@@ -80,11 +98,13 @@ class RunRecorder:
             print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
                   f"{world_size}: the learning rate is scaled anew and the data order differs", flush=True)
 
-    def _write_epoch_files(self, epoch, weights):
-        """Everything that follows from a checkpoint: model-{epoch}, model-best, metrics.csv."""
+    def _write_epoch_files(self, epoch, weights, ema_weights=None):
+        """Everything that follows from a checkpoint: model-{epoch}, model-best (the model's
+        weights or the EMA's, whichever scored better), metrics.csv."""
         save_atomic(weights, os.path.join(self.output_dir, f"model-{epoch}.pth"))
         if self.best_epoch == epoch:
-            save_atomic(weights, os.path.join(self.output_dir, "model-best.pth"))
+            best = ema_weights if self.best_source == "ema" and ema_weights is not None else weights
+            save_atomic(best, os.path.join(self.output_dir, "model-best.pth"))
         write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
 
@@ -107,32 +127,43 @@ class RunRecorder:
         return (f"{os.path.join(self.output_dir, CHECKPOINT)} (epoch {self.saved_epoch}) is intact: continue from it "
                 "with --resume auto")
 
-    def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds):
-        """Save the checkpoint, then the epoch's weights, the best weights and metrics.csv."""
+    def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds,
+                  ema=None, ema_result=None):
+        """Pick the best of the epoch (the model or its EMA), decide on --patience, then save
+        the checkpoint, the epoch's weights, the best weights and metrics.csv (rank 0)."""
+        metric = self.args.best_metric
+        source, result = "model", eval_result
+        if ema_result is not None and is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
+            source, result = "ema", ema_result
+        improved = is_better(metric, result.metric(metric), self.best_value)
+        if improved:
+            self.best_value, self.best_accuracy, self.best_epoch = result.metric(metric), result.accuracy, epoch
+            self.best_source, self.best_confusion = source, result.confusion
+        self.stop_reason = self._patience_ran_out(epoch)
         if not self.enabled:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
             return
         weights = cpu_tensors(plain_state_dict(model))  # copied off the GPU once for the three files
-        if eval_result.accuracy > self.best_accuracy:
-            self.best_accuracy, self.best_epoch = eval_result.accuracy, epoch
-            self.best_confusion = eval_result.confusion
+        ema_state = cpu_tensors(ema.state_dict()) if ema is not None else None
         images_per_second = train_stats.images_per_second  # training only, warm-up left out
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
-                          f"{train_stats.last_lr:.8g}", f"{images_per_second:.2f}", f"{epoch_seconds:.3f}"])
-        for tag, value in (("loss", train_stats.mean_loss), ("accuracy", eval_result.accuracy),
-                           ("learning_rate", train_stats.last_lr), ("images_per_second", images_per_second)):
-            self.writer.add_scalar(tag, value, epoch)
-        self.writer.flush()
+                          f"{train_stats.last_lr:.8g}", f"{images_per_second:.2f}", f"{epoch_seconds:.3f}",
+                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source])
+        self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, {
             "model": weights,
+            "model_ema": ema_state,
             "optimizer": optimizer.state_dict(),
             "lr_scheduler": lr_scheduler.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "epoch": epoch,
             "best_accuracy": self.best_accuracy,
+            "best_value": self.best_value,  # of --best-metric
             "best_epoch": self.best_epoch,
+            "best_source": self.best_source,  # "model" or "ema": whose weights model-best.pth holds
             "best_confusion": self.best_confusion,  # for the confusion matrix picture at the end
+            "stopped_early": self.stop_reason,  # why the run ended before --epochs, or None
             "metrics": self.rows,
             "args": args_to_dict(self.args),
             "classes": list(self.classes),
@@ -142,10 +173,25 @@ class RunRecorder:
             "rng": rng_state(),
         })
         self.saved_epoch = epoch
-        self._write_epoch_files(epoch, weights)
+        self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)
+        ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
         print(f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
-              f"({eval_result.correct}/{eval_result.total})  lr: {train_stats.last_lr:.3g}  "
+              f"({eval_result.correct}/{eval_result.total}){ema_text}  lr: {train_stats.last_lr:.3g}  "
               f"{images_per_second:.1f} img/s", flush=True)
+
+    def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
+        """The epoch's figures in TensorBoard (the EMA's under ema/)."""
+        for tag, value in (("loss", train_stats.mean_loss), ("learning_rate", train_stats.last_lr),
+                           ("images_per_second", train_stats.images_per_second)):
+            self.writer.add_scalar(tag, value, epoch)
+        for prefix, result in (("", eval_result), ("ema/", ema_result)):
+            if result is None:
+                continue
+            for name in ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy"):
+                if getattr(result, name) is not None:
+                    self.writer.add_scalar(prefix + name, getattr(result, name), epoch)
+            self.writer.add_scalar(prefix + "val_loss", result.loss, epoch)
+        self.writer.flush()
 
     def _prune(self, epoch):
         """--keep-last K: delete per-epoch weights older than the last K (best and checkpoint stay)."""
@@ -182,8 +228,8 @@ class RunRecorder:
         if not self.enabled:
             return
         plots = self._plot_results() if self.args.plots else []
-        print_end_summary(self.output_dir, self.best_accuracy, self.best_epoch,
-                          time.perf_counter() - self.started, plots)
+        print_end_summary(self.output_dir, self.args.best_metric, self.best_value, self.best_epoch, self.best_source,
+                          time.perf_counter() - self.started, plots, self.stop_reason)
         self.close()
 
     def _plot_results(self):
@@ -205,3 +251,15 @@ class RunRecorder:
             self.writer.close()
         if self.run_log is not None:
             self.run_log.close()
+
+
+def metric_cells(result, top5=False):
+    """metrics.csv's cells of an evaluation: loss, balanced accuracy, macro-F1 (and, with
+    ``top5``, top-5 accuracy, empty with 5 classes or fewer; the EMA's cells start with its
+    accuracy); all empty for no evaluation (no --model-ema)."""
+    if result is None:
+        return [""] * 4
+    cells = [f"{result.loss:.6f}", f"{result.balanced_accuracy:.6f}", f"{result.macro_f1:.6f}"]
+    if top5:
+        return cells + ["" if result.top5_accuracy is None else f"{result.top5_accuracy:.6f}"]
+    return [f"{result.accuracy:.6f}"] + cells

@@ -8,15 +8,20 @@ import os
 import re
 
 from model import check_input_size, create_model, load_exact_weights, load_state_dict_file
+from multi_train_utils.images import resize_size
 from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
 from multi_train_utils.errors import UserError
-from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, read_json,
-                                    write_csv_atomic, write_json_atomic)
+from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL, check_fields,
+                                    read_json, write_csv_atomic, write_json_atomic)
 
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
 METRICS_FILE = "metrics.csv"
-METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
+# The tutorial's six columns first (scripts that read them keep working), then the others:
+# the EMA's columns are empty without --model-ema, val_top5_accuracy with 5 classes or fewer.
+METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds",
+                  "val_loss", "val_balanced_accuracy", "val_macro_f1", "val_top5_accuracy",
+                  "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source"]
 # Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
 RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
@@ -25,7 +30,7 @@ RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-be
 # The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
-                      "val_list": TEXT_OR_NULL}
+                      "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL}
 
 
 # --- An earlier run in --output-dir ---------------------------------------------------------------
@@ -131,8 +136,10 @@ def read_run_classes(run_dir):
 # --- metrics.csv ----------------------------------------------------------------------------------
 
 def write_metrics(output_dir, rows):
-    """metrics.csv: the header, then one row (a list of values) per epoch, atomically."""
-    write_csv_atomic([METRICS_HEADER, *rows], os.path.join(output_dir, METRICS_FILE))
+    """metrics.csv: the header, then one row (a list of values) per epoch, atomically; rows of
+    a checkpoint written before the later columns existed get empty cells there."""
+    padded = [list(row) + [""] * (len(METRICS_HEADER) - len(row)) for row in rows]
+    write_csv_atomic([METRICS_HEADER, *padded], os.path.join(output_dir, METRICS_FILE))
 
 
 def read_metrics(run_dir):
@@ -175,6 +182,15 @@ def trained_model_files(args):
     if args.class_indices:
         files.append(("the --class-indices file", args.class_indices))
     return files
+
+
+def read_val_resize_size(args, img_size):
+    """Validation resize of the run that wrote --weights: --val-resize-size if given, else its
+    args.json's, else the default for ``img_size`` (round(img_size x 256/224))."""
+    if getattr(args, "val_resize_size", None):
+        return args.val_resize_size
+    run_args = read_run_args(os.path.dirname(os.path.abspath(args.weights)), hint="give --val-resize-size") or {}
+    return run_args.get("val_resize_size") or resize_size(img_size)
 
 
 def load_trained_model(args):

@@ -4,6 +4,7 @@ import os
 import torch
 
 from model import count_parameters
+from multi_train_utils.balance import find_imbalance
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
@@ -42,10 +43,33 @@ def print_start_summary(args, data, device, settings, model, lr, workers, log_di
           "per process")
     scaled = f" ({args.lr:g} x {world_size} processes)" if lr != args.lr else ""
     warmup = f"{args.warmup_epochs} warm-up epochs, then " if args.warmup_epochs else ""
-    print(f"lr: {lr:g}{scaled}; {warmup}cosine to {lr * args.lrf:g} at epoch {args.epochs - 1}")
+    schedule = (f"x {args.lr_gamma:g} every {args.lr_step_size} epochs" if args.lr_scheduler == "step" else
+                f"cosine to {lr * args.lrf:g} at epoch {args.epochs - 1}")
+    print(f"lr: {lr:g}{scaled}; {warmup}{schedule}")
+    print("recipe: " + describe_recipe(args))
     print(f"outputs: {args.output_dir} (train.log, metrics.csv, model-best.pth, checkpoint.pth, plots)")
     print(f"TensorBoard: {log_dir}; view with: tensorboard --logdir {args.log_dir}")
     print(RULE, flush=True)
+
+
+def describe_recipe(args):
+    """One line: optimizer, augmentation, loss, sampling, EMA, best metric and patience."""
+    decay = "" if args.norm_bias_decay else ", none on norm and bias"
+    parts = [f"{args.opt} (weight decay {args.weight_decay:g}{decay})"]
+    augment = ["crop+flip"] + ([args.auto_augment] if args.auto_augment != "none" else [])
+    augment += [f"erase {args.random_erase:g}"] if args.random_erase else []
+    augment += [f"mixup {args.mixup_alpha:g}"] if args.mixup_alpha else []
+    augment += [f"cutmix {args.cutmix_alpha:g}"] if args.cutmix_alpha else []
+    parts.append("augment " + " + ".join(augment))
+    if args.label_smoothing:
+        parts.append(f"label smoothing {args.label_smoothing:g}")
+    if args.class_weights != "none":
+        parts.append(f"{args.class_weights} class weights")
+    parts.append(f"{args.sampler} sampler")
+    if args.model_ema:
+        parts.append(f"EMA (decay {args.model_ema_decay:g})")
+    parts.append(f"best by val {args.best_metric}" + (f", patience {args.patience}" if args.patience else ""))
+    return "; ".join(parts)
 
 
 def format_duration(seconds):
@@ -54,13 +78,19 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def print_end_summary(output_dir, best_accuracy, best_epoch, seconds, plots):
-    """Best accuracy and its epoch, the time taken, and where the weights and pictures are."""
+def print_end_summary(output_dir, best_metric, best_value, best_epoch, best_source, seconds, plots,
+                      stop_reason=None):
+    """Best --best-metric and its epoch, whose weights model-best.pth holds (the model's or
+    its EMA's), why the run stopped early if it did, the time taken, and where the weights
+    and pictures are."""
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
-    print(f"best val accuracy: {best_accuracy:.4f} at epoch {best_epoch}; this session took "
+    if stop_reason:
+        print(stop_reason)
+    print(f"best val {best_metric.replace('_', ' ')}: {best_value:.4f} at epoch {best_epoch}; this session took "
           f"{format_duration(seconds)}")
-    print(f"best weights: {best}")
+    source = "the EMA of the weights (--model-ema)" if best_source == "ema" else "the model's weights"
+    print(f"best weights: {best} ({source}, epoch {best_epoch})")
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
@@ -83,6 +113,9 @@ def print_data_summary(args, data):
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
     if train is not None and val is not None:
         print(f"data: {where}: " + ", ".join(f"{t + v} {c}" for c, t, v in zip(data.classes, train, val)))
+        imbalance = find_imbalance([c for c, n in enumerate(train) for _ in range(n)], data.classes)
+        if imbalance is not None and args.sampler == "shuffle" and args.class_weights == "none":
+            print(f"warning: {imbalance.warning()}", flush=True)
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)

@@ -67,6 +67,7 @@ class EvalResult:
 
     confusion: torch.Tensor
     top5_correct: Optional[int] = None  # None with 5 classes or fewer, where top-5 is always 100 %
+    loss_sum: float = math.nan  # cross-entropy summed over the images (no smoothing, no class weights)
 
     @property
     def correct(self):
@@ -121,6 +122,23 @@ class EvalResult:
     def accuracy(self):
         return self.correct / max(1, self.total)
 
+    @property
+    def loss(self):
+        """Mean validation cross-entropy per image (plain: no label smoothing, no class weights)."""
+        return self.loss_sum / max(1, self.total)
+
+    def metric(self, name):
+        """The value of --best-metric ``name``: accuracy, balanced_accuracy, macro_f1 or loss."""
+        return getattr(self, name)
+
+
+def is_better(metric, value, best):
+    """Whether ``value`` of ``metric`` beats ``best`` (None: nothing yet): lower for the loss,
+    higher for the others."""
+    if best is None:
+        return True
+    return value < best if metric == "loss" else value > best
+
 
 def _nanmean(values):
     """Mean of the values that are not nan; 0.0 when all are (like accuracy with no images)."""
@@ -128,30 +146,51 @@ def _nanmean(values):
     return sum(kept) / len(kept) if kept else 0.0
 
 
-def create_loss():
-    """The training loss. Edit here for your own (label smoothing, class weights, ...)."""
-    return nn.CrossEntropyLoss()
+def create_loss(label_smoothing=0.0, class_weights=None):
+    """The training loss: cross-entropy, with --label-smoothing and --class-weights' weights
+    (a tensor, one per class) where given. It takes class indices or, after MixUp/CutMix,
+    soft targets (a row of class probabilities per image). Edit here for your own loss."""
+    return nn.CrossEntropyLoss(weight=class_weights, label_smoothing=label_smoothing)
+
+
+def parameter_groups(model, decay_norm_and_bias=True):
+    """The trainable parameters as optimizer groups: one, or with ``decay_norm_and_bias``
+    False two, the second (biases and normalisation layers' weights: every tensor of one
+    dimension) without weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": params}]
+    groups = [{"params": [p for p in params if p.ndim > 1]},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def create_optimizer(model, lr, args):
-    """SGD with momentum and weight decay over the trainable parameters. Edit here for your
-    own optimizer (AdamW, ...); ``lr`` is --lr, scaled by the world size where asked."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    """--opt sgd (momentum, weight decay) or adamw over the trainable parameters, with no
+    weight decay on norm layers and biases under --no-norm-bias-decay. Edit here for your own
+    optimizer; ``lr`` is --lr, scaled by the world size where asked."""
+    groups = parameter_groups(model, args.norm_bias_decay)
+    if args.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
-def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1, start_epoch=0):
-    """Per-step schedule: linear warm-up over ``warmup_epochs``, then cosine from lr down to
-    lr * lrf at the end of the last epoch. It is a function of the fraction of training
-    done, so ``start_epoch`` > 0 starts it at that epoch's first
-    step (resume): the rate is then what this schedule gives there, for the current number
-    of steps per epoch (world size) and total of epochs."""
+def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1, start_epoch=0,
+                        schedule="cosine", step_size=30, gamma=0.1):
+    """Per-step schedule: linear warm-up over ``warmup_epochs``, then ``schedule``: cosine
+    from lr down to lr * lrf at the end of the last epoch, or step: lr * gamma ** k in the
+    k-th period of ``step_size`` epochs after the warm-up. It is a function of the step
+    alone, so ``start_epoch`` > 0 starts it at that epoch's first step (resume): the rate is
+    then what this schedule gives there, for the current number of steps per epoch (world
+    size) and total of epochs."""
     total = max(1, epochs * steps_per_epoch)
     warmup = min(total, warmup_epochs * steps_per_epoch)
 
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
+        if schedule == "step":
+            return gamma ** ((step - warmup) // (step_size * steps_per_epoch))
         progress = (step - warmup) / max(1, total - warmup)
         return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(1.0, progress))) / 2
 
@@ -165,8 +204,13 @@ def optimizer_steps_per_epoch(batches, accum_steps):
     return math.ceil(batches / accum_steps)
 
 
-def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None, scaler=None, settings=None):
+def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None, scaler=None, settings=None,
+                    loss_function=None, mixer=None, ema=None):
     """Train for one epoch; return TrainStats.
+
+    ``loss_function``: ``create_loss()``'s by default. ``mixer``: a ``mixing.BatchMixer``
+    (--mixup-alpha, --cutmix-alpha) that mixes each normalised batch on the device. ``ema``:
+    an ``ema.ModelEma`` updated after every optimizer step.
 
     With ``settings.accum_steps`` = k, gradients of k micro-batches are summed before each
     optimizer step (DDP averages them across ranks only on the k-th, under ``no_sync``
@@ -177,7 +221,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     settings = settings or LoopSettings()
     scaler = scaler or settings.precision.grad_scaler()
     set_train_mode(model)
-    loss_function = create_loss().to(device)  # class weights, if any, on the device
+    loss_function = (loss_function or create_loss()).to(device)  # class weights, if any, on the device
     to_device = DeviceNormalizer(device, settings.channels_last)
     params = [p for p in model.parameters() if p.requires_grad]
     steps = len(data_loader)
@@ -191,7 +235,9 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     progress = tqdm(total=steps * data_loader.batch_sampler.batch_size * world_size, unit="img",
                     desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
     for step, (images, labels) in enumerate(data_loader):
-        images, labels = to_device(images, labels)
+        images, targets = to_device(images, labels)
+        if mixer is not None:
+            images, targets = mixer(images, targets, epoch, step)  # soft targets
         group_start = step - step % settings.accum_steps
         group_size = min(settings.accum_steps, steps - group_start)
         updates_now = step == group_start + group_size - 1
@@ -199,7 +245,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
         no_sync = model.no_sync() if not updates_now and hasattr(model, "no_sync") else contextlib.nullcontext()
         with no_sync:
             with settings.precision.autocast():
-                loss = loss_function(model(images), labels)
+                loss = loss_function(model(images), targets)
             scaler.scale(loss / group_size).backward()
         loss = loss.detach().float()
         loss_sum += loss
@@ -212,16 +258,18 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(model)
             if lr_scheduler is not None:
                 lr_scheduler.step()
         if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
             shown.update(loss_sum, step + 1, first_bad_step)  # the only host sync in the loop
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
-        progress.update(len(labels) * world_size)
+        progress.update(len(images) * world_size)
         if step + 1 == WARMUP_STEPS:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # once an epoch: start the clock when the warm-up is done
-            warm_start, warm_images = time.perf_counter(), (step + 1) * len(labels) * world_size
+            warm_start, warm_images = time.perf_counter(), (step + 1) * len(images) * world_size
     progress.close()
     seconds = time.perf_counter() - start
     images_seen = steps * data_loader.batch_sampler.batch_size * world_size  # full batches on every rank
@@ -280,6 +328,7 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     cells = num_classes * num_classes
     top5 = num_classes > 5
     counts = torch.zeros(cells + 1, dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
     batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
     for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
         images, labels = to_device(images, labels)
@@ -293,10 +342,13 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
         if top5:
             hits = (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1)
             counts[cells:].add_((hits * weights).sum())  # weights: padded rows count 0
+        losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        loss_sum += (losses * weights).sum().to(loss_sum.dtype)
     all_reduce_sum(counts)
+    all_reduce_sum(loss_sum)
     counts = counts.cpu()
     top5_correct = counts[cells:].tolist()[0] if top5 else None  # tolist: read on the host copy
-    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct)
+    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct, float(loss_sum))
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):

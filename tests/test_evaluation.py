@@ -44,6 +44,12 @@ def test_same_exact_accuracy_at_world_size_1_2_3_4(single_run):
     assert [name for name, _, _ in per_class] == ["daisy", "dandelion", "roses", "sunflowers", "tulips"]
     assert sum(int(c) for _, c, _ in per_class) == correct
     assert [int(t) for _, _, t in per_class] == [2, 2, 1, 1, 1]
+    # precision, recall, F1, balanced accuracy and macro-F1: the same lines at every world size,
+    # and balanced accuracy the mean of the per-class accuracies printed above
+    reports = {key: stdout[stdout.index("per-class precision"):] for key, stdout in outputs.items()}
+    assert len(set(reports.values())) == 1, reports
+    balanced = sum(int(c) / int(t) for _, c, t in per_class) / 5
+    assert f"balanced accuracy: {balanced:.6f}  macro-F1: " in reports[2]
     # nothing written: not in the run's folder, no TensorBoard logs
     assert snapshot(out) == before and os.listdir(out + "-tb") == tb_before
 

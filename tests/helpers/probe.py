@@ -7,7 +7,8 @@ Environment:
                   parameter checksum before and after the DDP wrap, the sample indices
                   this rank trains on in each epoch, the dtype and memory format of the
                   first convolution's output in training, the checksum of the buffers
-                  (BatchNorm statistics) each evaluation used, the training steps run,
+                  (BatchNorm statistics) each evaluation used, a hash of all the weights
+                  each evaluation used (the model's, and the EMA's with --model-ema), the training steps run,
                   whether the trained model has SyncBatchNorm, and the device of its weights
   PROBE_PERTURB   "1": add noise to the weights of ranks other than 0 before the DDP wrap,
                   so that identical weights afterwards prove DDP's broadcast
@@ -49,7 +50,7 @@ if os.environ.get("PROBE_FLOAT64") == "1":
 
 target = importlib.import_module({"single": "train_single", "multi": "train_multi_gpu"}[sys.argv[1]])
 rank = int(os.environ.get("RANK", "0"))
-record = {"rank": rank, "orders": {}, "eval_buffers": [], "steps": 0}
+record = {"rank": rank, "orders": {}, "eval_buffers": [], "eval_hashes": [], "steps": 0}
 
 
 def checksum(model):
@@ -58,6 +59,16 @@ def checksum(model):
 
 def buffer_checksum(model):
     return float(sum(b.detach().double().abs().sum() for b in model.buffers() if b.is_floating_point()))
+
+
+def weights_hash(model):
+    """SHA-256 of every parameter and buffer, in state_dict order: equal hashes, equal bytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for value in model_module.unwrap_model(model).state_dict().values():
+        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def record_first_conv_output(model):
@@ -118,6 +129,7 @@ real_evaluate = target.evaluate
 def evaluate(model, *args, **kwargs):
     result = real_evaluate(model, *args, **kwargs)
     record["eval_buffers"].append(buffer_checksum(model))  # evaluation leaves the buffers as it used them
+    record["eval_hashes"].append(weights_hash(model))
     return result
 
 

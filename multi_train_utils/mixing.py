@@ -1,0 +1,51 @@
+"""MixUp and CutMix of training batches, seeded so that a rerun or a resume mixes alike.
+
+torchvision's ``v2.MixUp`` and ``v2.CutMix`` draw from torch's global CPU generator and refuse
+uint8 images, so they run here on the normalised float batch on the device, inside
+``torch.random.fork_rng`` with the CPU generator seeded from (seed, epoch, step, rank): the
+global generators are left as they were, and each batch's mixing depends on nothing else.
+The targets become soft (one row of class probabilities per image, summing to 1), which
+``nn.CrossEntropyLoss`` takes as they are.
+"""
+import torch
+from torchvision.transforms import v2
+
+from my_dataset import sample_seed
+
+# Added to --seed so that the mixing is not the same stream as the model's or the augmentations'.
+_MIX_SALT = 15_485_863
+
+
+class BatchMixer:
+    """``(images, labels) -> (mixed images, soft targets)`` with MixUp (``mixup_alpha`` > 0),
+    CutMix (``cutmix_alpha`` > 0), or one of the two chosen at random for each batch (both)."""
+
+    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0, seed=0, rank=0):
+        choices = []
+        if mixup_alpha > 0:
+            choices.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+        if cutmix_alpha > 0:
+            choices.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+        if not choices:
+            raise ValueError("BatchMixer needs mixup_alpha or cutmix_alpha above 0")
+        self.mix = choices[0] if len(choices) == 1 else v2.RandomChoice(choices)
+        self.seed, self.rank = seed, rank
+
+    def __call__(self, images, labels, epoch, step):
+        """The batch of ``step`` (counted from 0 in ``epoch``) mixed; the memory format of
+        ``images`` is kept."""
+        channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) \
+            and not images.is_contiguous()
+        with torch.random.fork_rng(devices=[]):  # the draws are on the CPU generator only
+            torch.manual_seed(sample_seed(sample_seed(self.seed + _MIX_SALT, epoch, step), self.rank, 0))
+            images, targets = self.mix(images, labels)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, targets
+
+
+def make_batch_mixer(args, num_classes, rank=0):
+    """The BatchMixer of --mixup-alpha / --cutmix-alpha, or None when both are 0."""
+    if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
+        return None
+    return BatchMixer(num_classes, args.mixup_alpha, args.cutmix_alpha, args.seed, rank)

@@ -1,0 +1,420 @@
+"""The modern recipe: augmentation, MixUp/CutMix, label smoothing, EMA, AdamW and schedules,
+class weights and the balanced sampler, --best-metric and --patience; each exact under DDP
+and on resume. Expected values are computed here by hand, not by the code under test."""
+import argparse
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, probe_records, read_metrics, run,
+                      script, train_args)
+
+PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
+
+
+def recipe_args(**changes):
+    """The flags' defaults of train_single.py, with ``changes``."""
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    args = parse_args(get_args_parser(distributed=False), ["--model", "resnet18"])
+    for key, value in changes.items():
+        setattr(args, key, value)
+    return args
+
+
+# --- MixUp and CutMix ------------------------------------------------------------------------
+
+def batch(n=8, classes=5, size=16):
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(n, 3, size, size, generator=g)
+    labels = torch.arange(n) % classes  # neighbours differ: a mixed row has two classes
+    return images, labels
+
+
+def test_mixup_targets_sum_to_one_and_match_the_mixing_of_the_images():
+    from multi_train_utils.mixing import BatchMixer
+
+    images, labels = batch()
+    mixed, targets = BatchMixer(5, mixup_alpha=0.4, seed=1)(images, labels, epoch=2, step=3)
+    assert targets.shape == (8, 5)
+    torch.testing.assert_close(targets.sum(dim=1), torch.ones(8))
+    lam = float(targets[0, labels[0]])  # the weight of each image's own class
+    assert 0 < lam < 1
+    partner = images.roll(1, 0)  # torchvision pairs each image with the one before it
+    torch.testing.assert_close(mixed, lam * images + (1 - lam) * partner)
+    for i in range(8):  # each row: lam on its class, 1 - lam on its partner's
+        expected = torch.zeros(5)
+        expected[labels[i]] += lam
+        expected[labels[i - 1]] += 1 - lam
+        torch.testing.assert_close(targets[i], expected)
+
+
+def test_cutmix_targets_are_the_share_of_each_images_pixels():
+    from multi_train_utils.mixing import BatchMixer
+
+    images, labels = batch(size=20)
+    mixer = BatchMixer(5, cutmix_alpha=1.0, seed=0)
+    shares = set()
+    for step in range(6):
+        mixed, targets = mixer(images, labels, epoch=0, step=step)
+        torch.testing.assert_close(targets.sum(dim=1), torch.ones(8))
+        own = (mixed == images).all(dim=1).float().mean(dim=(1, 2))  # pixels still the image's own
+        pasted = (mixed == images.roll(1, 0)).all(dim=1).float().mean(dim=(1, 2))
+        torch.testing.assert_close(own + pasted, torch.ones(8))  # every pixel is one of the two
+        torch.testing.assert_close(targets[torch.arange(8), labels], own)
+        shares.add(round(float(own[0]), 4))
+    assert len(shares) > 1  # the box changes from step to step
+
+
+def test_mixing_is_seeded_by_seed_epoch_step_and_rank_and_leaves_the_global_generator_alone():
+    from multi_train_utils.mixing import BatchMixer
+
+    images, labels = batch()
+    mix = BatchMixer(5, mixup_alpha=0.4, cutmix_alpha=1.0, seed=1)
+    state = torch.get_rng_state()
+    first = mix(images, labels, 1, 2)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(123)  # whatever the global generator holds
+    again = mix(images, labels, 1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    others = [mix(images, labels, 1, 3), mix(images, labels, 2, 2), BatchMixer(5, 0.4, 1.0, seed=1, rank=1)(
+        images, labels, 1, 2), BatchMixer(5, 0.4, 1.0, seed=2)(images, labels, 1, 2)]
+    assert all(not torch.equal(first[1], other[1]) for other in others)
+
+
+def test_mixing_is_off_unless_asked():
+    from multi_train_utils.mixing import make_batch_mixer
+
+    assert make_batch_mixer(recipe_args(), 5) is None
+    assert make_batch_mixer(recipe_args(cutmix_alpha=1.0), 5) is not None
+
+
+# --- The loss --------------------------------------------------------------------------------
+
+def test_label_smoothing_and_class_weights_follow_their_formulas():
+    from multi_train_utils.train_eval_utils import create_loss
+
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3], [-0.5, 1.5, 0.0]])
+    labels = torch.tensor([0, 2, 1])
+    log_p = torch.log_softmax(logits, dim=1)
+    s = 0.1
+    # (1 - s) x -log p(true) + s x mean over the classes of -log p(c)
+    smoothed = ((1 - s) * -log_p[range(3), labels] + s * -log_p.mean(dim=1)).mean()
+    torch.testing.assert_close(create_loss(label_smoothing=s)(logits, labels), smoothed)
+    weights = torch.tensor([0.5, 2.0, 1.0])
+    weighted = (weights[labels] * -log_p[range(3), labels]).sum() / weights[labels].sum()
+    torch.testing.assert_close(create_loss(class_weights=weights)(logits, labels), weighted)
+    plain = -log_p[range(3), labels].mean()
+    torch.testing.assert_close(create_loss()(logits, labels), plain)
+    soft = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.2, 0.8], [0.5, 0.5, 0.0]])  # MixUp's targets
+    torch.testing.assert_close(create_loss()(logits, soft), -(soft * log_p).sum(dim=1).mean())
+
+
+# --- EMA -------------------------------------------------------------------------------------
+
+def test_ema_equals_a_hand_computed_average_after_k_steps():
+    from multi_train_utils.ema import ModelEma
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    ema = ModelEma(model, decay=0.3)
+    expected = {k: v.clone().double() for k, v in model.state_dict().items()}
+    for n in range(6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model.train()(torch.randn(4, 3))  # BatchNorm's running statistics move too
+        ema.update(model)
+        d = min(0.3, (1 + n) / (10 + n))  # warm-up: 0.1, 0.18, 0.25, then 0.3
+        for key, value in model.state_dict().items():
+            if value.is_floating_point():
+                expected[key] = d * expected[key] + (1 - d) * value.double()
+            else:
+                expected[key] = value.clone()  # num_batches_tracked: copied
+    assert ema.updates == 6
+    for key, value in ema.module.state_dict().items():
+        torch.testing.assert_close(value.double(), expected[key].double(), rtol=0, atol=1e-6, msg=key)
+    assert not any(p.requires_grad for p in ema.module.parameters()) and not ema.module.training
+    copy = ModelEma(model, decay=0.3)
+    copy.load_state_dict(ema.state_dict())
+    assert copy.updates == 6 and copy.current_decay() == ema.current_decay() == 0.3
+
+
+# --- Optimizer and schedule ------------------------------------------------------------------
+
+def test_adamw_and_no_decay_on_norm_and_bias():
+    from multi_train_utils.train_eval_utils import create_optimizer
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    adamw = create_optimizer(model, 0.01, recipe_args(opt="adamw", weight_decay=0.05, norm_bias_decay=False))
+    assert isinstance(adamw, torch.optim.AdamW)
+    decayed, free = adamw.param_groups
+    assert decayed["weight_decay"] == 0.05 and free["weight_decay"] == 0.0
+    assert {id(p) for p in decayed["params"]} == {id(model[0].weight), id(model[3].weight)}
+    assert {id(p) for p in free["params"]} == {id(model[0].bias), id(model[1].weight), id(model[1].bias),
+                                                id(model[3].bias)}
+    sgd = create_optimizer(model, 0.01, recipe_args())
+    assert isinstance(sgd, torch.optim.SGD) and len(sgd.param_groups) == 1
+    assert sgd.param_groups[0]["weight_decay"] == 0.005 and sgd.param_groups[0]["momentum"] == 0.9
+    assert recipe_args(opt="adamw").weight_decay == 0.005  # set before: parse_args picks the default
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    assert parse_args(get_args_parser(False), ["--opt", "adamw"]).weight_decay == 0.05
+    assert parse_args(get_args_parser(False), ["--opt", "adamw", "--weight-decay", "0.1"]).weight_decay == 0.1
+
+
+def test_step_schedule_multiplies_by_gamma_every_step_size_epochs_after_the_warmup():
+    from multi_train_utils.train_eval_utils import create_lr_scheduler
+
+    def rates(start_epoch=0):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = create_lr_scheduler(optimizer, 2, 7, warmup_epochs=1, start_epoch=start_epoch,
+                                         schedule="step", step_size=2, gamma=0.5)
+        seen = []
+        for _ in range(start_epoch * 2, 14):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    expected = [0.5, 1.0] + [1.0] * 4 + [0.5] * 4 + [0.25] * 4  # warm-up of 2 steps, then 2-epoch periods
+    assert rates() == pytest.approx(expected)
+    assert rates(start_epoch=4) == pytest.approx(expected[8:])  # resume: the same rates
+
+
+def test_resume_refuses_another_optimizer_parameter_groups_ema_or_best_metric():
+    from multi_train_utils.checkpoint import check_resume_compatible
+    from multi_train_utils.errors import UserError
+
+    saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
+    check_resume_compatible(saved, "ckpt", recipe_args(), CLASSES, 4)  # an older checkpoint: SGD, one group
+    cases = [({"opt": "adamw"}, "trained with --opt sgd, this run has --opt adamw"),
+             ({"norm_bias_decay": False}, "trained with --norm-bias-decay, this run has --no-norm-bias-decay"),
+             ({"model_ema": True}, "trained with no --model-ema, this run has --model-ema"),
+             ({"best_metric": "loss"}, "trained with --best-metric accuracy, this run has --best-metric loss")]
+    for change, message in cases:
+        with pytest.raises(UserError) as error:
+            check_resume_compatible(saved, "ckpt", recipe_args(**change), CLASSES, 4)
+        assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
+
+
+# --- Augmentation ----------------------------------------------------------------------------
+
+def test_auto_augment_random_erase_and_val_resize_size_reach_the_transforms():
+    from torchvision.transforms import v2
+
+    from my_dataset import augment_settings
+    from utils import build_transforms
+
+    train, val = build_transforms(32, **augment_settings(recipe_args(auto_augment="ta_wide", random_erase=1.0,
+                                                                     val_resize_size=48)))
+    kinds = [type(t) for t in train.transforms]
+    assert kinds == [v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.TrivialAugmentWide, v2.RandomErasing]
+    assert val.transforms[0].size == [48]
+    plain, plain_val = build_transforms(32)
+    assert [type(t) for t in plain.transforms] == [v2.RandomResizedCrop, v2.RandomHorizontalFlip]
+    assert plain_val.transforms[0].size == [37]  # round(32 x 256 / 224)
+    image = torch.full((3, 40, 40), 7, dtype=torch.uint8)
+    torch.manual_seed(0)
+    erased = train(image)
+    # erased pixels hold ImageNet's mean colour, which the normalisation turns into 0
+    hole = (erased == torch.tensor([124, 116, 104]).view(3, 1, 1)).all(dim=0)
+    assert hole.any() and not hole.all()
+
+
+def test_val_resize_size_reaches_predict_and_export_through_args_json(tmp_path):
+    from multi_train_utils.run_files import read_val_resize_size
+
+    (tmp_path / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 32, "val_resize_size": 44}))
+    given = argparse.Namespace(weights=str(tmp_path / "model-best.pth"), val_resize_size=None)
+    assert read_val_resize_size(given, 32) == 44
+    given.val_resize_size = 50
+    assert read_val_resize_size(given, 32) == 50
+    (tmp_path / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 32}))  # an older run
+    assert read_val_resize_size(argparse.Namespace(weights=given.weights, val_resize_size=None), 32) == 37
+
+
+# --- Best metric, EMA's best and patience ----------------------------------------------------
+
+def result_with(correct, total=10, loss=1.0):
+    """An EvalResult of 2 classes with ``correct`` of ``total`` right, half of each class."""
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    half = total // 2
+    right0 = min(correct, half)
+    right1 = correct - right0
+    confusion = torch.tensor([[right0, half - right0], [half - right1, right1]])
+    return EvalResult(confusion, None, loss * total)
+
+
+def recorder(**changes):
+    from multi_train_utils.recorder import RunRecorder
+
+    return RunRecorder(args=recipe_args(**changes), classes=["a", "b"], enabled=False)
+
+
+def train_stats():
+    from multi_train_utils.train_eval_utils import TrainStats
+
+    return TrainStats(1.0, 10, 1.0, 0.1, 10.0)
+
+
+def test_best_is_the_better_of_model_and_ema_by_best_metric_and_patience_stops():
+    runs = recorder(best_metric="loss", patience=2)
+    for epoch, (model_loss, ema_loss) in enumerate([(0.9, 0.8), (0.7, 0.75), (0.72, 0.71), (0.8, 0.9)]):
+        assert runs.stop_reason is None
+        runs.end_epoch(epoch, None, None, None, None, train_stats(), result_with(5, loss=model_loss), 1.0,
+                       ema=None, ema_result=result_with(5, loss=ema_loss))
+    # lowest loss: the model's 0.7 at epoch 1; epochs 2 and 3 bring nothing better: stop after 3
+    assert (runs.best_epoch, runs.best_source, runs.best_value) == (1, "model", pytest.approx(0.7))
+    assert runs.stop_reason.startswith("stopped early after epoch 3: no better val loss for 2 epochs")
+    accuracy = recorder()  # the default: accuracy, higher is better; no patience
+    accuracy.end_epoch(0, None, None, None, None, train_stats(), result_with(6), 1.0, None, result_with(8))
+    accuracy.end_epoch(1, None, None, None, None, train_stats(), result_with(7), 1.0, None, result_with(7))
+    assert (accuracy.best_epoch, accuracy.best_source, accuracy.best_accuracy) == (0, "ema", 0.8)
+    assert accuracy.stop_reason is None
+
+
+def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_raised():
+    from multi_train_utils.recorder import RunRecorder
+
+    checkpoint = {"epoch": 4, "best_epoch": 1, "best_value": 0.5, "best_accuracy": 0.5,
+                  "stopped_early": "stopped early after epoch 4"}
+    args = recipe_args(patience=3, epochs=10)
+    assert RunRecorder(args=args, classes=["a", "b"], enabled=False, checkpoint=checkpoint).stop_reason
+    args.patience = 5
+    assert RunRecorder(args=args, classes=["a", "b"], enabled=False, checkpoint=checkpoint).stop_reason is None
+
+
+def test_metrics_csv_keeps_its_first_six_columns_and_appends_the_new_ones(tmp_path):
+    from multi_train_utils.run_files import METRICS_HEADER, write_metrics
+
+    assert METRICS_HEADER[:6] == ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds"]
+    write_metrics(str(tmp_path), [[0, "1.0", "0.5", "0.1", "9.0", "2.0"]])  # a row of an older checkpoint
+    row = read_metrics(str(tmp_path))[0]
+    assert row["val_accuracy"] == "0.5" and row["val_macro_f1"] == "" and row["best_source"] == ""
+
+
+def test_start_summary_warns_of_imbalance_and_names_the_two_flags(capsys):
+    from multi_train_utils.summary import print_data_summary
+    from my_dataset import Datasets, MyDataSet
+
+    train = MyDataSet(["x"] * 13, [0] * 10 + [1] * 3)  # 10 against 3: more than 3 times
+    val = MyDataSet(["y"] * 2, [0, 1])
+    data = Datasets(train, val, ["cats", "dogs"])
+    print_data_summary(recipe_args(data_path="d"), data)
+    assert ("warning: the classes are imbalanced: cats has 10 training images, dogs 3; consider --sampler balanced "
+            "or --class-weights balanced") in capsys.readouterr().out
+    print_data_summary(recipe_args(data_path="d", sampler="balanced"), data)  # already taken care of
+    assert "imbalanced" not in capsys.readouterr().out
+    balanced = Datasets(MyDataSet(["x"] * 12, [0] * 9 + [1] * 3), val, ["cats", "dogs"])  # 3 times: fine
+    print_data_summary(recipe_args(data_path="d"), balanced)
+    assert "imbalanced" not in capsys.readouterr().out
+
+
+# --- Whole runs --------------------------------------------------------------------------------
+
+RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+          "--label-smoothing", "0.1", "--model-ema", "--model-ema-decay", "0.9", "--opt", "adamw",
+          "--no-norm-bias-decay", "--sampler", "balanced", "--class-weights", "balanced", "--best-metric", "macro_f1",
+          "--lr-scheduler", "step", "--lr-step-size", "2", "--val-resize-size", "40", "--lr", "0.002"]
+
+
+def ddp(*flags):
+    return [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi", *flags]
+
+
+def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_identical_on_ranks(tiny_data, tmp_path):
+    import subprocess
+
+    from conftest import subprocess_env
+
+    epochs = ["--epochs", "3", "--workers", "0"]
+    straight = tmp_path / "straight"
+    result = run(ddp(*train_args(tiny_data, straight, *epochs, *RECIPE)),
+                 env={"PROBE_OUT": f"{straight}.probe", "PROBE_PERTURB": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    # every evaluation (the model's, then the EMA's, each epoch) saw the same weights on both ranks,
+    # although rank 1 started from other weights (PROBE_PERTURB): DDP's broadcast reached the EMA
+    ranks = probe_records(f"{straight}.probe", 2)
+    assert len(ranks[0]["eval_hashes"]) == 6 and ranks[0]["eval_hashes"] == ranks[1]["eval_hashes"]
+    assert len(set(ranks[0]["eval_hashes"])) == 6  # model and EMA differ, and move every epoch
+
+    out = tmp_path / "killed"
+    flags = train_args(tiny_data, out, *epochs, *RECIPE)
+    killed = subprocess.Popen(ddp(*flags), cwd=REPO, env=subprocess_env({"PROBE_STEP_SLEEP": "0.3"}),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while True:  # until the second checkpoint (epoch 1) can be read
+            assert killed.poll() is None and time.monotonic() < deadline, "no second checkpoint"
+            try:
+                if torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 1:
+                    break
+            except (OSError, RuntimeError, EOFError):
+                pass
+            time.sleep(0.05)
+    finally:
+        kill_tree(killed.pid)
+        killed.wait()
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert saved["epoch"] == 1 and saved["model_ema"]["updates"] > 0  # stopped before the end
+    resumed = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
+                   *flags, "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    def columns(rows):  # everything but the speed
+        return [{k: v for k, v in r.items() if k not in ("images_per_second", "epoch_seconds")} for r in rows]
+
+    assert columns(read_metrics(out)) == columns(read_metrics(straight))
+    final, expected = (torch.load(d / "checkpoint.pth", weights_only=True) for d in (out, straight))
+    for part in ("model", "ema"):
+        mine = final["model"] if part == "model" else final["model_ema"]["weights"]
+        theirs = expected["model"] if part == "model" else expected["model_ema"]["weights"]
+        for key in theirs:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-5, msg=f"{part} {key}")
+    steps = (36 // 2) // 4  # 36 training images over 2 ranks, batches of 4
+    assert final["model_ema"]["updates"] == expected["model_ema"]["updates"] == 3 * steps
+    # model-best.pth: the first epoch of the best macro-F1, of the model or (if strictly better) the EMA
+    scores = []
+    for r in read_metrics(straight):
+        model_f1, ema_f1 = float(r["val_macro_f1"]), float(r["ema_val_macro_f1"])
+        source = "ema" if ema_f1 > model_f1 else "model"
+        assert r["best_source"] == source
+        scores.append((max(model_f1, ema_f1), source))
+    best_epoch = max(range(3), key=lambda e: (scores[e][0], -e))
+    assert (expected["best_epoch"], expected["best_source"]) == (best_epoch, scores[best_epoch][1])
+    best = torch.load(straight / "model-best.pth", weights_only=True)
+    if scores[best_epoch][1] == "model":
+        reference = torch.load(straight / f"model-{best_epoch}.pth", weights_only=True)
+    elif best_epoch == 2:
+        reference = expected["model_ema"]["weights"]
+    else:
+        reference = best  # an earlier epoch's EMA is kept nowhere else
+    assert all(torch.equal(best[key], reference[key]) for key in reference)
+    source = "the EMA of the weights (--model-ema)" if scores[best_epoch][1] == "ema" else "the model's weights"
+    assert f"best weights: {straight / 'model-best.pth'} ({source}, epoch {best_epoch})" in result.stdout
+
+
+def test_patience_stops_the_run_and_resume_auto_finds_it_complete(tiny_data, tmp_path):
+    out = tmp_path / "out"
+    # only the head trains (BatchNorm frozen too), at a rate too small to change any prediction:
+    # no epoch after the first can be better
+    flags = train_args(tiny_data, out, "--epochs", "5", "--workers", "0", "--patience", "1", "--lr", "1e-12",
+                       "--opt", "adamw", "--freeze-layers")
+    first = run([PYTHON, script("train_single.py"), *flags])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert [r["epoch"] for r in read_metrics(out)] == ["0", "1"]
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert checkpoint["epoch"] == 1 and checkpoint["stopped_early"].startswith(
+        "stopped early after epoch 1: no better val accuracy for 1 epochs")
+    assert checkpoint["stopped_early"] in first.stdout
+    again = run([PYTHON, script("train_single.py"), *flags, "--resume", "auto"])
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "the run is already complete (stopped early after epoch 1" in again.stdout
+    assert "[train epoch" not in again.stdout and len(read_metrics(out)) == 2
