@@ -115,6 +115,54 @@ def test_label_smoothing_and_class_weights_follow_their_formulas():
     torch.testing.assert_close(create_loss()(logits, soft), -(soft * log_p).sum(dim=1).mean())
 
 
+def test_balanced_class_weights_come_from_the_training_counts():
+    from multi_train_utils.balance import loss_class_weights
+    from my_dataset import MyDataSet
+
+    train = MyDataSet(["x"] * 8, [0] * 6 + [1] * 2)
+    assert loss_class_weights(recipe_args(), train, 2) is None
+    torch.testing.assert_close(loss_class_weights(recipe_args(class_weights="balanced"), train, 2),
+                               torch.tensor([8 / (2 * 6), 8 / (2 * 2)]))
+
+
+def test_the_loop_mixes_each_batch_and_updates_the_ema_after_each_optimizer_step():
+    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
+
+    class Loader(list):
+        batch_sampler = argparse.Namespace(batch_size=4)
+
+    g = torch.Generator().manual_seed(0)
+    loader = Loader((torch.rand(4, 3, 8, 8, generator=g), torch.tensor([0, 1, 2, 0])) for _ in range(3))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 64, 3))
+    seen = []
+
+    class RecordingLoss(nn.CrossEntropyLoss):
+        def forward(self, logits, targets):
+            seen.append(targets)
+            return super().forward(logits, targets)
+
+    ema = ModelEma(model, 0.5)
+    train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, torch.device("cpu"), 0,
+                    settings=LoopSettings(accum_steps=2), loss_function=RecordingLoss(), mixer=BatchMixer(3, mixup_alpha=1.0),
+                    ema=ema)
+    assert [t.shape for t in seen] == [(4, 3)] * 3  # soft targets for every batch
+    assert ema.updates == 2  # 3 batches, accumulated 2 by 2: 2 optimizer steps
+
+
+def test_the_built_in_datasets_take_the_augmentation_flags(tiny_data):
+    from torchvision.transforms import v2
+
+    from my_dataset import build_datasets
+
+    args = recipe_args(data_path=tiny_data["train"], val_path=tiny_data["val"], img_size=32, auto_augment="augmix",
+                       random_erase=0.5, val_resize_size=64)
+    data = build_datasets(args)
+    assert [type(t) for t in data.train.transform.transforms][2:] == [v2.AugMix, v2.RandomErasing]
+    assert data.val.transform.transforms[0].size == [64] and data.val.keep_side == 64
+
+
 # --- EMA -------------------------------------------------------------------------------------
 
 def test_ema_equals_a_hand_computed_average_after_k_steps():
@@ -339,9 +387,23 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
     result = run(ddp(*train_args(tiny_data, straight, *epochs, *RECIPE)),
                  env={"PROBE_OUT": f"{straight}.probe", "PROBE_PERTURB": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
+    # the loss, the mixing and the balanced sampler reached the loop; the counts of the training
+    # classes are 7 7 7 8 7 (6 of each, plus the other formats, one unreadable)
+    from multi_train_utils.balance import BalancedDistributedSampler
+    from utils import read_split_data
+
+    ranks = probe_records(f"{straight}.probe", 2)
+    labels = read_split_data(tiny_data["train"], val_root=tiny_data["val"]).train_images_label
+    counts = [labels.count(c) for c in range(5)]
+    for record in ranks:
+        assert record["loss"]["label_smoothing"] == 0.1 and record["loss"]["soft_targets"]
+        assert record["loss"]["class_weights"] == pytest.approx([len(labels) / (5 * n) for n in counts])
+        sampler = BalancedDistributedSampler(labels, num_replicas=2, rank=record["rank"], seed=0)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            assert record["orders"][str(epoch)] == list(sampler)[:len(record["orders"][str(epoch)])]
     # every evaluation (the model's, then the EMA's, each epoch) saw the same weights on both ranks,
     # although rank 1 started from other weights (PROBE_PERTURB): DDP's broadcast reached the EMA
-    ranks = probe_records(f"{straight}.probe", 2)
     assert len(ranks[0]["eval_hashes"]) == 6 and ranks[0]["eval_hashes"] == ranks[1]["eval_hashes"]
     assert len(set(ranks[0]["eval_hashes"])) == 6  # model and EMA differ, and move every epoch
 

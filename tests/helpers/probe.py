@@ -9,6 +9,7 @@ Environment:
                   first convolution's output in training, the checksum of the buffers
                   (BatchNorm statistics) each evaluation used, a hash of all the weights
                   each evaluation used (the model's, and the EMA's with --model-ema), the training steps run,
+                  the training loss's label smoothing and class weights and whether its targets were soft,
                   whether the trained model has SyncBatchNorm, and the device of its weights
   PROBE_PERTURB   "1": add noise to the weights of ranks other than 0 before the DDP wrap,
                   so that identical weights afterwards prove DDP's broadcast
@@ -192,6 +193,8 @@ nan_step = int(os.environ.get("PROBE_NAN_STEP", "0")) if os.environ.get("PROBE_N
 def counted_loss_forward(self, x, y):
     """Counts training steps; on PROBE_NAN_RANK, a NaN loss value whose gradients are finite."""
     loss = real_loss_forward(self, x, y)
+    record["loss"] = {"label_smoothing": self.label_smoothing, "class_weights": None if self.weight is None else
+                      self.weight.tolist(), "soft_targets": y.dim() == 2}
     step, record["steps"] = record["steps"], record["steps"] + 1
     if step == nan_step:
         loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d(loss)/d(x) is unchanged
