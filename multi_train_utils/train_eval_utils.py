@@ -348,7 +348,8 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     all_reduce_sum(loss_sum)
     counts = counts.cpu()
     top5_correct = counts[cells:].tolist()[0] if top5 else None  # tolist: read on the host copy
-    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct, float(loss_sum))
+    loss_total = loss_sum.cpu().tolist()  # one copy to the host, as for the counts
+    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct, loss_total)
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):

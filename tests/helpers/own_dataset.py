@@ -16,13 +16,13 @@ from torchvision.datasets import ImageFolder  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from multi_train_utils.errors import run_cli  # noqa: E402
-from my_dataset import Datasets  # noqa: E402
+from my_dataset import Datasets, augment_settings  # noqa: E402
 from utils import build_transforms  # noqa: E402
 
 
 def build_datasets(args):
     """ImageFolder datasets, as a user who copies the template writes them."""
-    train_tf, val_tf = build_transforms(args.img_size)  # on uint8 tensors
+    train_tf, val_tf = build_transforms(args.img_size, **augment_settings(args))  # on uint8 tensors
     train = ImageFolder(os.path.join(args.data_path, "train"), transform=v2.Compose([v2.ToImage(), train_tf]))
     val = ImageFolder(os.path.join(args.data_path, "val"),
                       transform=v2.Compose([v2.ToImage(), val_tf, v2.ToDtype(torch.float32, scale=True)]))
