@@ -190,6 +190,15 @@ def case_zero_accumulation_steps(tmp, data):
     return ["--data-path", data["train"], "--accum-steps", "0"], ["--accum-steps 0: must be at least 1"]
 
 
+def case_random_erase_above_one(tmp, data):
+    return ["--data-path", data["train"], "--random-erase", "1.5"], ["--random-erase 1.5: must be from 0 to 1"]
+
+
+def case_val_resize_below_the_crop(tmp, data):
+    return (["--data-path", data["train"], "--val-resize-size", "16"],
+            ["--val-resize-size 16: must be at least --img-size 32"])
+
+
 def case_download_offline(tmp, data):
     """No network (the proxy goes nowhere): one line with the manual steps, no half dataset."""
     return ["--download", "--data-path", str(tmp / "flowers")], ["--download: cannot fetch", "tar xzf flower_photos.tgz"]
