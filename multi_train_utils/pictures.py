@@ -98,7 +98,8 @@ def plot_batch_preview(images, labels, classes):
 
 
 def plot_training_curves(rows):
-    """Loss, validation accuracy and learning rate per epoch, from metrics.csv's rows."""
+    """Loss, validation accuracy (and the EMA's, where metrics.csv has it) and learning rate
+    per epoch, from metrics.csv's rows."""
     from matplotlib.ticker import MaxNLocator
 
     epochs = [int(r["epoch"]) for r in rows]
@@ -106,6 +107,9 @@ def plot_training_curves(rows):
     for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", "val_accuracy", "lr"),
                               ("training loss", "validation accuracy", "learning rate")):
         ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
+        if key == "val_accuracy" and all(r.get("ema_val_accuracy") for r in rows):
+            ax.plot(epochs, [float(r["ema_val_accuracy"]) for r in rows], marker="o", markersize=3)
+            ax.legend(["model", "EMA"])
         ax.set_title(title)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
