@@ -107,7 +107,7 @@ def plot_training_curves(rows):
     for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", "val_accuracy", "lr"),
                               ("training loss", "validation accuracy", "learning rate")):
         ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
-        if key == "val_accuracy" and all(r.get("ema_val_accuracy") for r in rows):
+        if key == "val_accuracy" and rows and all(r.get("ema_val_accuracy") for r in rows):
             ax.plot(epochs, [float(r["ema_val_accuracy"]) for r in rows], marker="o", markersize=3)
             ax.legend(["model", "EMA"])
         ax.set_title(title)
