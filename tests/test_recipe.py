@@ -480,3 +480,14 @@ def test_patience_stops_the_run_and_resume_auto_finds_it_complete(tiny_data, tmp
     assert again.returncode == 0, again.stdout + again.stderr
     assert "the run is already complete (stopped early after epoch 1" in again.stdout
     assert "[train epoch" not in again.stdout and len(read_metrics(out)) == 2
+
+
+def test_curves_show_the_emas_accuracy_only_when_there_is_one():
+    from multi_train_utils.pictures import plot_training_curves
+
+    rows = [{"epoch": "0", "train_loss": "2.0", "val_accuracy": "0.5", "lr": "0.1", "ema_val_accuracy": "0.6"},
+            {"epoch": "1", "train_loss": "1.0", "val_accuracy": "0.7", "lr": "0.1", "ema_val_accuracy": "0.65"}]
+    accuracy = plot_training_curves(rows).axes[1]
+    assert [list(line.get_ydata()) for line in accuracy.lines] == [[0.5, 0.7], [0.6, 0.65]]
+    without = [dict(r, ema_val_accuracy="") for r in rows]
+    assert len(plot_training_curves(without).axes[1].lines) == 1
