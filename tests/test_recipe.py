@@ -320,6 +320,7 @@ def test_best_is_the_better_of_model_and_ema_by_best_metric_and_patience_stops()
                        ema=None, ema_result=result_with(5, loss=ema_loss))
     # lowest loss: the model's 0.7 at epoch 1; epochs 2 and 3 bring nothing better: stop after 3
     assert (runs.best_epoch, runs.best_source, runs.best_value) == (1, "model", pytest.approx(0.7))
+    assert runs.stop_reason is not None
     assert runs.stop_reason.startswith("stopped early after epoch 3: no better val loss for 2 epochs")
     accuracy = recorder()  # the default: accuracy, higher is better; no patience
     accuracy.end_epoch(0, None, None, None, None, train_stats(), result_with(6), 1.0, None, result_with(8))
