@@ -77,7 +77,7 @@ def get_args_parser(distributed):
     model.add_argument("--weights", default="", help="initial weights (default: none, random init): a .pth state dict (tensors whose shape fits are loaded, e.g. resnet34-333f7ec4.pth without its 1000-class head), or torchvision's weights name such as DEFAULT or IMAGENET1K_V1 (downloads)")
     model.add_argument("--freeze-layers", action=argparse.BooleanOptionalAction, default=False, help="train only the classifier head (fc / classifier / heads)")
 
-    augment = parser.add_argument_group("augmentation and loss (all off by default)")
+    augment = parser.add_argument_group("augmentation and loss (each off unless given)")
     augment.add_argument("--auto-augment", default="none", choices=["none", "ta_wide", "randaugment", "autoaugment", "augmix"], help="an automatic augmentation policy after the random crop and flip (torchvision v2; ta_wide: TrivialAugmentWide)")
     augment.add_argument("--random-erase", type=finite_float, default=0.0, metavar="P", help="erase a random rectangle of each training image with probability P (to the mean colour)")
     augment.add_argument("--mixup-alpha", type=finite_float, default=0.0, metavar="A", help="MixUp of training batches with Beta(A, A) weights (0: off; 0.2 is usual)")

@@ -113,12 +113,13 @@ def print_data_summary(args, data):
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
     if train is not None and val is not None:
         print(f"data: {where}: " + ", ".join(f"{t + v} {c}" for c, t, v in zip(data.classes, train, val)))
-        imbalance = find_imbalance([c for c, n in enumerate(train) for _ in range(n)], data.classes)
-        if imbalance is not None and args.sampler == "shuffle" and args.class_weights == "none":
-            print(f"warning: {imbalance.warning()}", flush=True)
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
+    if train is not None and args.sampler == "shuffle" and args.class_weights == "none":
+        imbalance = find_imbalance([c for c, n in enumerate(train) for _ in range(n)], data.classes)
+        if imbalance is not None:
+            print(f"warning: {imbalance.warning()}", flush=True)
 
 
 def class_counts(dataset, classes):

@@ -300,7 +300,9 @@ def test_a_run_on_a_hostile_folder_warns_trains_and_stops_in_one_line_when_an_im
     printed = [line.removeprefix("warning: ") for line in result.stdout.splitlines() if line.startswith("warning: ")]
     skips = {path.replace(os.fsdecode(b"\xe9"), "\\xe9").replace(os.fsdecode(b"\xff"), "\\xff"): why
              for path, why in expected_skips(root, hostile_run["tree"]).items()}
-    assert printed == [f"skipping {path}: {why}" for path, why in skips.items()] + [SOLO_NOTE]
+    imbalance = ("the classes are imbalanced: roses has 6 training images, solo 1; consider --sampler balanced or "
+                 "--class-weights balanced")  # 3 caf\xe9, 6 roses, 1 solo
+    assert printed == [f"skipping {path}: {why}" for path, why in skips.items()] + [SOLO_NOTE, imbalance]
     assert f"data: {root}: 4 caf\\xe9, 7 roses, 1 solo\nsplit: 10 train, 2 val images\n" in result.stdout
     assert "[epoch 0] " in result.stdout and "[epoch 1] " not in result.stdout
     with open(os.path.join(out, "train.log"), encoding="utf-8") as f:  # strict: no raw bytes in it

@@ -198,7 +198,10 @@ def test_exhausted_memory_is_one_line_suggesting_smaller_batches_or_images(capsy
 def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path):
     from multi_train_utils.recorder import RunRecorder
 
-    args = argparse.Namespace(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"))
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    args = argparse.Namespace(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
+                              best_metric="accuracy")
     resumed = RunRecorder(args, ["a", "b"], enabled=False, checkpoint=state(3),
                           resume_path=str(tmp_path / "checkpoint.pth"))
     with pytest.raises(ResourceError) as raised:
@@ -211,7 +214,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
     with pytest.raises(ResourceError, match=r"free space on that disk; no checkpoint was written yet$"):
         with fresh.explain_faults():
             raise ResourceError("disk full: could not write x (No space left on device); free space on that disk")
-    fresh.end_epoch(0, None, None, None, None, None, None, 1.0)  # rank != 0: rank 0 saved epoch 0
+    fresh.end_epoch(0, None, None, None, None, None, EvalResult(torch.eye(2, dtype=torch.int64)), 1.0)  # rank != 0
     with pytest.raises(ResourceError, match=r"\(epoch 0\) is intact: continue from it with --resume auto$"):
         with fresh.explain_faults():
             raise RuntimeError(CPU_OUT_OF_MEMORY)
@@ -239,7 +242,9 @@ def test_every_float_flag_refuses_nan_and_inf_before_anything_starts(capsys):
     float_flags = {name: sorted(a.option_strings[0] for a in parser._actions if a.type in (float, finite_float))
                    for name, parser in entry_parsers().items()}
     assert not [a for p in entry_parsers().values() for a in p._actions if a.type is float], float_flags
-    assert float_flags["train_single"] == ["--clip-grad", "--lr", "--lrf", "--momentum", "--val-rate", "--weight-decay"]
+    assert float_flags["train_single"] == ["--clip-grad", "--cutmix-alpha", "--label-smoothing", "--lr", "--lr-gamma",
+                                           "--lrf", "--mixup-alpha", "--model-ema-decay", "--momentum",
+                                           "--random-erase", "--val-rate", "--weight-decay"]
     assert float_flags["train_multi_gpu"] == float_flags["train_single"]
     parser = get_args_parser(distributed=True)
     for flag in float_flags["train_single"]:
