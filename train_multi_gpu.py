@@ -18,10 +18,10 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import BatchSampler
 
 from model import build_model
-from multi_train_utils.balance import BalancedDistributedSampler, loss_class_weights, required_labels
+from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import (check_on_every_rank, check_same_on_every_rank, cleanup,
                                                  configure_cpu_threads, connect_store, default_workers,
@@ -85,11 +85,7 @@ def main(argv=None):
         # 2. Samplers: each rank trains on its own shard of a shuffle seeded by (seed, epoch)
         #    (--sampler balanced: of one class-balanced draw with replacement per (seed, epoch));
         #    validation is sharded without padding so every image counts exactly once.
-        if args.sampler == "balanced":
-            train_sampler = BalancedDistributedSampler(required_labels(train_set, "--sampler balanced"),
-                                                       num_replicas=env.world_size, rank=env.rank, seed=args.seed)
-        else:
-            train_sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed)
+        train_sampler = make_train_sampler(args, train_set, num_replicas=env.world_size, rank=env.rank)
         train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
         val_batch_sampler = BatchSampler(ShardSampler(len(val_set), env.rank, env.world_size), args.batch_size,
                                          drop_last=False)

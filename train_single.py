@@ -8,10 +8,10 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import BatchSampler
 
 from model import AutocastModule, build_model
-from multi_train_utils.balance import BalancedDistributedSampler, loss_class_weights, required_labels
+from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import restore_training_state, set_aside_damaged_checkpoint
 from multi_train_utils.distributed_utils import configure_cpu_threads, default_workers, select_device
 from multi_train_utils.ema import make_model_ema
@@ -49,11 +49,8 @@ def main(argv=None):
 
     # A seeded shuffle that changes with the epoch: the DDP script's order at world size 1,
     # and the same on every rerun (or resume) with this --seed.
-    # --sampler balanced: a class-balanced draw with replacement, seeded by (seed, epoch) alike.
-    if args.sampler == "balanced":
-        train_sampler = BalancedDistributedSampler(required_labels(train_set, "--sampler balanced"), seed=args.seed)
-    else:
-        train_sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed)
+    # (--sampler balanced: a class-balanced draw with replacement, seeded by (seed, epoch) alike.)
+    train_sampler = make_train_sampler(args, train_set)
     train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     workers = args.workers if args.workers is not None else default_workers()

@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from multi_train_utils.errors import UserError
 from my_dataset import sample_seed
@@ -43,6 +43,25 @@ def required_labels(dataset, flag):
         raise UserError(f"{flag}: the training dataset has no .targets (the label of every item, in order); "
                         "give it one (see the contract in my_dataset.py) or leave the flag out")
     return labels
+
+
+def make_train_sampler(args, dataset, num_replicas=1, rank=0):
+    """The training sampler of rank ``rank``: DistributedSampler's shuffle seeded by (seed,
+    epoch), or with --sampler balanced a BalancedDistributedSampler (a class-balanced draw
+    with replacement, seeded alike)."""
+    if args.sampler == "balanced":
+        return BalancedDistributedSampler(required_labels(dataset, "--sampler balanced"), num_replicas=num_replicas,
+                                          rank=rank, seed=args.seed)
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=args.seed)
+
+
+def imbalance_warning(args, counts, classes):
+    """The start summary's warning line for training ``counts`` per class, or None (balanced
+    enough, or --sampler / --class-weights balanced already given)."""
+    if args.sampler != "shuffle" or args.class_weights != "none":
+        return None
+    imbalance = find_imbalance_in_counts(counts, classes)
+    return None if imbalance is None else imbalance.warning()
 
 
 def loss_class_weights(args, dataset, num_classes):
@@ -94,7 +113,11 @@ def find_imbalance(labels, classes, ratio=3.0) -> Optional[Imbalance]:
     """The largest and smallest class (names and counts) where the largest has more than
     ``ratio`` times the images of the smallest, else ``None``. Ties go to the first class in
     label order; a class without images is the smallest (any other class is then "more")."""
-    counts = class_counts(labels, len(classes))
+    return find_imbalance_in_counts(class_counts(labels, len(classes)), classes, ratio)
+
+
+def find_imbalance_in_counts(counts, classes, ratio=3.0) -> Optional[Imbalance]:
+    """``find_imbalance`` of images per class (``counts``, in class order)."""
     big = max(range(len(counts)), key=lambda c: (counts[c], -c))
     small = min(range(len(counts)), key=lambda c: (counts[c], c))
     if counts[big] > ratio * counts[small]:

@@ -24,6 +24,7 @@ class ModelEma:
         self.module = copy.deepcopy(unwrap_model(model)).eval().requires_grad_(False)
         self.decay = decay
         self.updates = 0  # optimizer steps averaged so far
+        self._averaged, self._copied = _split(self.module)
 
     def current_decay(self):
         """The decay of the next update: --model-ema-decay, lower during the warm-up."""
@@ -33,10 +34,9 @@ class ModelEma:
     def update(self, model):
         """Move the average one step towards ``model``'s current weights."""
         decay = self.current_decay()
-        averaged, copied = _split(self.module)
         current, current_copied = _split(unwrap_model(model))
-        torch._foreach_lerp_(averaged, current, 1.0 - decay)
-        for mine, theirs in zip(copied, current_copied):
+        torch._foreach_lerp_(self._averaged, current, 1.0 - decay)
+        for mine, theirs in zip(self._copied, current_copied):
             mine.copy_(theirs)
         self.updates += 1
 

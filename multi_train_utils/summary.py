@@ -4,7 +4,7 @@ import os
 import torch
 
 from model import count_parameters
-from multi_train_utils.balance import find_imbalance
+from multi_train_utils.balance import imbalance_warning
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
@@ -116,10 +116,9 @@ def print_data_summary(args, data):
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
-    if train is not None and args.sampler == "shuffle" and args.class_weights == "none":
-        imbalance = find_imbalance([c for c, n in enumerate(train) for _ in range(n)], data.classes)
-        if imbalance is not None:
-            print(f"warning: {imbalance.warning()}", flush=True)
+    warning = imbalance_warning(args, train, data.classes) if train is not None else None
+    if warning:
+        print(f"warning: {warning}", flush=True)
 
 
 def class_counts(dataset, classes):

@@ -198,7 +198,9 @@ def test_with_overwrite_only_a_checked_export_replaces_the_file(trained, tmp_pat
 
     monkeypatch.setattr(export, "TOLERANCE", 1e-4)
     export.main(["--weights", weights, "--format", "torchscript", "--output", str(output), "--overwrite"])
-    assert capsys.readouterr().out.startswith(f"wrote {output} (torchscript")
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {output} (torchscript")
+    assert "shorter side resized to 9, center-cropped" in printed  # round(8 x 256 / 224): no --val-resize-size
     assert sorted(os.listdir(tmp_path)) == ["model.pt", "run"]
     images = torch.randn(2, 3, 8, 8)
     assert torch.equal(torch.jit.load(str(output))(images), tiny(images))

@@ -101,6 +101,11 @@ def test_tensorboard_holds_the_pictures(single_run):
     accumulator.Reload()
     assert set(accumulator.Tags()["images"]) == {"data/class_distribution", "data/batch_preview",
                                                  "summary/curves", "summary/confusion_matrix"}
+    # the metrics.csv figures (no top-5 with 5 classes, no ema/ without --model-ema)
+    assert set(accumulator.Tags()["scalars"]) == {"loss", "learning_rate", "images_per_second", "accuracy",
+                                                  "balanced_accuracy", "macro_f1", "val_loss"}
+    rows = read_metrics(single_run["out"])
+    assert [round(e.value, 6) for e in accumulator.Scalars("macro_f1")] == [float(r["val_macro_f1"]) for r in rows]
 
 
 def test_train_log_and_summaries(single_run):
