@@ -31,7 +31,7 @@ def training_labels(dataset):
         return None
     labels = [int(y) for y in targets]
     if len(labels) != len(dataset):
-        raise UserError(f"the training dataset has {len(dataset)} items but {len(labels)} targets: "
+        raise UserError(f"a dataset of {len(dataset)} items has {len(labels)} targets: "
                         "targets must give the label of every item, in order")
     return labels
 
@@ -71,7 +71,7 @@ def loss_class_weights(args, dataset, num_classes):
     return class_weights(required_labels(dataset, "--class-weights balanced"), num_classes)
 
 
-def class_counts(labels, num_classes):
+def label_counts(labels, num_classes):
     """Images per class, as a list of ``num_classes`` ints; a label outside the classes is an error."""
     counts = [0] * num_classes
     for y in labels:
@@ -90,7 +90,7 @@ def class_weights(labels, num_classes):
     of it can occur, so its weight only matters to label smoothing's spread over all classes,
     where an infinite weight would turn the loss into NaN.
     """
-    counts = class_counts(labels, num_classes)
+    counts = label_counts(labels, num_classes)
     n = len(labels)
     return torch.tensor([n / (num_classes * c) if c else 0.0 for c in counts], dtype=torch.float32)
 
@@ -113,7 +113,7 @@ def find_imbalance(labels, classes, ratio=3.0) -> Optional[Imbalance]:
     """The largest and smallest class (names and counts) where the largest has more than
     ``ratio`` times the images of the smallest, else ``None``. Ties go to the first class in
     label order; a class without images is the smallest (any other class is then "more")."""
-    return find_imbalance_in_counts(class_counts(labels, len(classes)), classes, ratio)
+    return find_imbalance_in_counts(label_counts(labels, len(classes)), classes, ratio)
 
 
 def find_imbalance_in_counts(counts, classes, ratio=3.0) -> Optional[Imbalance]:

@@ -4,7 +4,7 @@ import os
 import torch
 
 from model import count_parameters
-from multi_train_utils.balance import imbalance_warning
+from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
@@ -123,13 +123,8 @@ def print_data_summary(args, data):
 
 def class_counts(dataset, classes):
     """Images per class from ``dataset.targets``, or None if the dataset has none."""
-    targets = getattr(dataset, "targets", None)
-    if targets is None:
-        return None
-    counts = [0] * len(classes)
-    for label in targets:
-        counts[int(label)] += 1
-    return counts
+    labels = training_labels(dataset)
+    return None if labels is None else label_counts(labels, len(classes))
 
 
 def print_evaluation(result, classes):
