@@ -28,7 +28,8 @@ except ImportError:  # Windows: no POSIX locks
 
 
 class RunLock:
-    """The lock on one output folder, held until the process ends."""
+    """The lock on one output folder (where the file system has locks), held until the
+    process ends."""
 
     def __init__(self, fd, path, made_folder, made_file, names_before):
         self.fd = fd
@@ -68,8 +69,9 @@ def _remove_quietly(remove, path):
 
 def lock_output_dir(output_dir):
     """Create ``output_dir`` if needed, check that files can be written there, and take its
-    lock: a UserError if it cannot be written or another run holds it. Returns a RunLock,
-    or None (with a warning) where the file system has no locks."""
+    lock: a UserError if it cannot be written or another run holds it. Returns a RunLock;
+    where the file system has no locks, one that holds none (with a warning), which still
+    removes at exit what taking it created if the run wrote nothing."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
     made_folder = not os.path.exists(output_dir)
@@ -79,23 +81,22 @@ def lock_output_dir(output_dir):
         fd = _open_lock_file(output_dir, path)
         names_before = [name for name in _listing(output_dir) or [] if name != LOCK_FILE]
         if fcntl is None:
-            os.close(fd)
             print(f"warning: {path}: cannot lock files on this system; make sure no other run writes into "
                   f"{output_dir}", file=sys.stderr, flush=True)
-            return None
+            return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno in _NO_LOCKS:
+                print(f"warning: {path}: this file system does not lock files ({e.strerror}); make sure no other "
+                      f"run writes into {output_dir}", file=sys.stderr, flush=True)
+                return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
             holder = _read_holder(fd)
             os.close(fd)
             if e.errno in (errno.EACCES, errno.EAGAIN):
                 raise UserError(f"--output-dir {output_dir}: another run is writing there ({holder}); wait for it "
                                 "to finish, stop it, or choose another --output-dir") from None
-            if e.errno not in _NO_LOCKS:
-                raise UserError(f"--output-dir {output_dir}: cannot lock {LOCK_FILE} ({e.strerror})") from None
-            print(f"warning: {path}: this file system does not lock files ({e.strerror}); make sure no other run "
-                  f"writes into {output_dir}", file=sys.stderr, flush=True)
-            return None
+            raise UserError(f"--output-dir {output_dir}: cannot lock {LOCK_FILE} ({e.strerror})") from None
         if _same_file(fd, path):  # not removed by a run that gave up on bad input meanwhile
             _write_holder(fd)
             return RunLock(fd, path, made_folder, made_file, names_before)

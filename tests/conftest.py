@@ -4,12 +4,14 @@ Every training run is a real subprocess (python, torchrun, torch.distributed.lau
 that several tests read are session-scoped so that each is launched once.
 """
 import csv
+import json
 import math
 import os
 import random
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 from PIL import Image
@@ -22,6 +24,7 @@ from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower  # noqa: E
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")  # a script's main() with probes patched in
+PRESTARTED = os.path.join(REPO, "tests", "helpers", "prestarted.py")  # see Prestarted
 # Small and fast: a small ResNet on 32 px images, no pictures (single_run draws them), every
 # epoch's weights kept (tests compare them); every run also gets its own --log-dir.
 FAST = ["--model", "resnet18", "--img-size", "32", "--batch-size", "4", "--no-plots", "--keep-last", "0"]
@@ -79,9 +82,105 @@ def kill_tree(pid):
             pass
 
 
+class Prestarted:
+    """The session's prestarted Python (tests/helpers/prestarted.py), started at first use: a
+    script run forks from it instead of paying torch's import again. TESTS_FRESH_PROCESSES=1
+    starts every script as a new interpreter instead (the same results, slower)."""
+
+    def __init__(self):
+        self.server, self.folder, self.count = None, None, 0
+        self.lock = threading.Lock()
+
+    def start(self, argv, env, cwd):
+        """Fork ``python argv...``; return (pid, stdout path, stderr path, exit-code path)."""
+        import tempfile
+
+        with self.lock:
+            if self.server is None or self.server.poll() is not None:
+                self.folder = tempfile.mkdtemp(prefix="prestarted-")
+                self.server = subprocess.Popen([PYTHON, PRESTARTED], cwd=REPO, env=subprocess_env(),
+                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.count += 1
+            prefix = os.path.join(self.folder, str(self.count))
+            paths = {"stdout": prefix + ".out", "stderr": prefix + ".err", "rc": prefix + ".rc"}
+            request = dict(paths, argv=list(argv), env=env, cwd=str(cwd))
+            self.server.stdin.write((json.dumps(request) + "\n").encode())
+            self.server.stdin.flush()
+            pid = int(self.server.stdout.readline())
+        return pid, paths
+
+    def stop(self):
+        import shutil
+
+        if self.server is not None:
+            self.server.stdin.close()
+            self.server.wait(timeout=60)
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+PRESTARTED_PYTHON = Prestarted()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    PRESTARTED_PYTHON.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def small_on_disk(tmp_path_factory, request):
+    """The suite leaves little on disk (its runs write ~10 GB of checkpoints): at the end,
+    everything in this session's temporary folder goes when every test passed; after a
+    failure only files over 1 MB (weights, checkpoints) go, and the logs stay to be read."""
+    import shutil
+
+    yield
+    base = tmp_path_factory.getbasetemp()
+    passed = request.session.testsfailed == 0
+    for entry in list(base.iterdir()):
+        if passed:
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            continue
+        for folder, _, files in os.walk(entry):
+            for name in files:
+                path = os.path.join(folder, name)
+                if not os.path.islink(path) and os.path.getsize(path) > 1 << 20:
+                    os.remove(path)
+
+
+def forks_from_prestarted(cmd):
+    """Whether ``cmd`` is ``python SCRIPT.py ...`` (not ``-m``), which the prestarted Python runs."""
+    return (len(cmd) > 1 and cmd[0] == PYTHON and str(cmd[1]).endswith(".py")
+            and os.environ.get("TESTS_FRESH_PROCESSES") != "1")
+
+
+def run_prestarted(cmd, timeout, env, cwd):
+    import locale
+    import time
+
+    pid, paths = PRESTARTED_PYTHON.start([str(c) for c in cmd[1:]], subprocess_env(env), cwd)
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while not os.path.exists(paths["rc"]):
+        if not timed_out and time.monotonic() > deadline:
+            kill_tree(pid)
+            timed_out = True
+        time.sleep(0.01)
+    encoding = locale.getpreferredencoding(False)
+    with open(paths["stdout"], encoding=encoding) as out, open(paths["stderr"], encoding=encoding) as err, \
+            open(paths["rc"]) as rc:
+        stdout, stderr, code = out.read(), err.read(), int(rc.read())
+    for path in paths.values():
+        os.remove(path)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
 def run(cmd, timeout=180, env=None, cwd=REPO):
     """Run a command to completion; return the CompletedProcess (stdout and stderr as text).
-    On a time-out the whole process tree is killed, so no worker is left behind."""
+    On a time-out the whole process tree is killed, so no worker is left behind.
+    ``python SCRIPT.py ...`` forks from the prestarted Python (see Prestarted)."""
+    if forks_from_prestarted(cmd):
+        return run_prestarted(cmd, timeout, env, cwd)
     proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:

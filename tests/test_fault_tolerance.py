@@ -134,6 +134,18 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(uninterrupted, tiny_dat
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"(epoch {saved} done): epochs {saved + 1} to 3" in resumed.stdout
     assert metric_rows(out) == metric_rows(reference)  # one row per epoch, the same values
+    # train.log goes on: the killed run's start and epochs, then the resumed run's, each epoch once
+    with open(out / "train.log", encoding="utf-8") as f:
+        log = f.read()
+    resumed_at = log.index("resuming from")
+    assert log.count("resuming from") == 1 and log.index("split: ") < resumed_at
+    before, after = log[:resumed_at], log[resumed_at:]
+    # (the kill may fall between the last checkpoint and its epoch's line)
+    expected_before = [f"[epoch {e}] " for e in range(saved)]
+    assert [l[:l.index("]") + 2] for l in before.splitlines() if l.startswith("[epoch ")][:saved] == expected_before
+    assert before.count(f"[epoch {saved}] ") <= 1 and f"[epoch {saved + 1}] " not in before
+    assert [l[:l.index("]") + 2] for l in after.splitlines() if l.startswith("[epoch ")] == \
+        [f"[epoch {e}] " for e in range(saved + 1, 4)]
     assert_same_final_weights(out, reference)
     # --keep-last 2 pruned the older per-epoch files; the best weights are those of the best epoch
     assert sorted(p.name for p in out.glob("model-*.pth")) == ["model-2.pth", "model-3.pth", "model-best.pth"]

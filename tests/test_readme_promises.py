@@ -1,0 +1,773 @@
+"""In-process checks of README promises no other test guards: resume, locks, SLURM, metrics, predict, flags."""
+import argparse
+import csv
+import errno
+import json
+import os
+import random
+
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from conftest import CLASSES, train_args
+
+
+def run_args(tmp_path, *extra):
+    """train_single.py's flags' defaults with a run folder and a TensorBoard folder in ``tmp_path``."""
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    return parse_args(get_args_parser(False), ["--model", "resnet18", "--output-dir", str(tmp_path / "out"),
+                                                     "--log-dir", str(tmp_path / "tb"), "--no-plots",
+                                                     "--keep-last", "0", *extra])
+
+
+def touch(folder, *names, text="x"):
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+def save_two_checkpoints(folder):
+    """checkpoint-prev.pth (epoch 4) and checkpoint.pth (epoch 5), as a run writes them."""
+    from multi_train_utils import checkpoint as ckpt
+
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {}, "classes": ["a", "b"], "args": {}}
+    ckpt.save_checkpoint(str(folder), dict(state, epoch=4))
+    ckpt.save_checkpoint(str(folder), dict(state, epoch=5))
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+def test_resume_from_a_checkpoint_elsewhere_checks_the_output_dir_as_a_new_run(tmp_path):
+    """Only a checkpoint in --output-dir itself lets a run continue over that folder's checkpoints."""
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.run_files import check_output_dir
+
+    out = tmp_path / "out"
+    touch(out, "model-0.pth")
+    with pytest.raises(UserError) as error:
+        check_output_dir(str(out), False, resume_path=str(tmp_path / "other" / "checkpoint.pth"))
+    assert str(error.value) == (f"--output-dir {out}: holds checkpoints of an earlier run (model-0.pth); pass "
+                                "--resume auto to continue it, --overwrite to replace it, or choose another "
+                                "--output-dir")
+    check_output_dir(str(out), False, resume_path=str(out / "checkpoint.pth"))  # continues its own run
+    check_output_dir(str(out), True, resume_path=str(tmp_path / "other" / "checkpoint.pth"))  # --overwrite
+
+
+def test_resume_auto_with_no_readable_checkpoint_is_an_error(tmp_path):
+    """Both checkpoints damaged: an error, never (None, None), which would start afresh and
+    delete the earlier run's files."""
+    from multi_train_utils import checkpoint as ckpt
+    from multi_train_utils.errors import UserError
+
+    save_two_checkpoints(tmp_path)
+    for name in (ckpt.CHECKPOINT, ckpt.PREVIOUS_CHECKPOINT):
+        (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:100])
+    with pytest.raises(UserError, match=r"^--resume auto: no checkpoint in .* can be read \(.*\); resume from a good "
+                                        r"copy with --resume PATH, or start over with --overwrite$"):
+        ckpt.find_resume_checkpoint("auto", str(tmp_path))
+    os.remove(tmp_path / ckpt.CHECKPOINT)  # only a damaged checkpoint-prev.pth left: the same
+    with pytest.raises(UserError, match="no checkpoint in"):
+        ckpt.find_resume_checkpoint("auto", str(tmp_path))
+    os.remove(tmp_path / ckpt.PREVIOUS_CHECKPOINT)  # no checkpoint at all: a fresh start
+    assert ckpt.find_resume_checkpoint("auto", str(tmp_path)) == (None, None)
+
+
+def test_a_damaged_checkpoint_is_renamed_damaged_after_resuming_from_the_previous_one(tmp_path):
+    """Left in place, the next save would keep the damaged file as checkpoint-prev.pth."""
+    from multi_train_utils.checkpoint import set_aside_damaged_checkpoint
+
+    touch(tmp_path, "checkpoint.pth", "checkpoint-prev.pth")
+    set_aside_damaged_checkpoint(str(tmp_path), str(tmp_path / "checkpoint-prev.pth"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-prev.pth", "checkpoint.pth.damaged"]
+    # resumed from the newest checkpoint, or from a folder elsewhere: nothing is renamed
+    here = tmp_path / "here"
+    touch(here, "checkpoint.pth", "checkpoint-prev.pth")
+    set_aside_damaged_checkpoint(str(here), str(here / "checkpoint.pth"))
+    set_aside_damaged_checkpoint(str(here), str(tmp_path / "checkpoint-prev.pth"))
+    assert sorted(os.listdir(here)) == ["checkpoint-prev.pth", "checkpoint.pth"]
+
+
+def test_resume_with_another_model_or_freeze_layers_is_refused_naming_both_values(tmp_path):
+    from multi_train_utils.checkpoint import check_resume_compatible
+    from multi_train_utils.errors import UserError
+
+    args = run_args(tmp_path)
+    saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
+    check_resume_compatible(saved, "ckpt", args, CLASSES, 4)
+    cases = [("model", "resnet50", "trained with --model resnet18, this run has --model resnet50"),
+             ("freeze_layers", True, "trained with --no-freeze-layers, this run has --freeze-layers")]
+    for flag, value, message in cases:
+        changed = argparse.Namespace(**dict(vars(args), **{flag: value}))
+        with pytest.raises(UserError) as error:
+            check_resume_compatible(saved, "ckpt", changed, CLASSES, 4)
+        assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
+
+
+def test_resume_of_a_run_that_trained_more_epochs_than_epochs_is_refused(tmp_path):
+    """Epoch 4 saved means 5 epochs trained: more than --epochs 4; epoch 3 (4 trained) is a
+    complete run, not an error."""
+    from multi_train_utils.checkpoint import check_resume_compatible
+    from multi_train_utils.errors import UserError
+
+    args = run_args(tmp_path)
+    saved = {"classes": CLASSES, "epoch": 4, "args": {"model": "resnet18"}}
+    with pytest.raises(UserError) as error:
+        check_resume_compatible(saved, "ckpt", args, CLASSES, 4)
+    assert str(error.value) == ("--resume ckpt: already trained 5 epochs, more than --epochs 4; raise --epochs to "
+                                "train more")
+    check_resume_compatible(dict(saved, epoch=3), "ckpt", args, CLASSES, 4)
+
+
+def test_a_fresh_resume_auto_start_replaces_only_the_files_of_an_unfinished_attempt(tmp_path):
+    """An attempt stopped before its first checkpoint: its files go, the user's and the lock stay."""
+    from multi_train_utils.run_files import clear_earlier_run
+
+    out = tmp_path / "out"
+    attempt = ["metrics.csv", "args.json", "class_indices.json", "train.log", ".metrics.csv.abcd1234.tmp"]
+    kept = ["notes.txt", "model-final.pth", "run.lock"]  # the user's files, and the lock this run holds
+    touch(out, *attempt, *kept)
+    clear_earlier_run(argparse.Namespace(output_dir=str(out), overwrite=False, resume="auto"), None)
+    assert sorted(os.listdir(out)) == sorted(kept)
+    # resuming from a checkpoint: only the unfinished write's temporary file goes
+    touch(out, *attempt)
+    clear_earlier_run(argparse.Namespace(output_dir=str(out), overwrite=False, resume="auto"), {"epoch": 0})
+    assert sorted(os.listdir(out)) == sorted(set(attempt + kept) - {".metrics.csv.abcd1234.tmp"})
+
+
+def test_an_earlier_runs_checkpoints_are_refused_before_anything_is_downloaded(tmp_path, monkeypatch):
+    from multi_train_utils import inputs
+    from multi_train_utils.errors import UserError
+    from my_dataset import build_datasets
+
+    def download(path):
+        raise AssertionError(f"downloaded {path} before --output-dir was checked")
+
+    monkeypatch.setattr(inputs, "download_flower_photos", download)
+    out = tmp_path / "out"
+    touch(out, "model-0.pth")
+    args = run_args(tmp_path, "--download", "--data-path", str(tmp_path / "flowers"))
+    with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
+        inputs.read_inputs(args, build_datasets, writer=False)
+
+
+def fake_all_reduce(others):
+    """dist.all_reduce as two processes do it: this one's tensor and ``others``, reduced by ``op``."""
+    import torch.distributed as dist
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        other = torch.tensor(others, dtype=tensor.dtype)
+        tensor.copy_(torch.maximum(tensor, other) if op == dist.ReduceOp.MAX else tensor + other)
+
+    return all_reduce
+
+
+def test_processes_that_would_resume_from_different_epochs_all_stop(monkeypatch):
+    """Rank 0 found epoch 3's checkpoint, rank 1 none (-1): each rank raises the same line."""
+    from multi_train_utils import distributed_utils
+    from multi_train_utils.errors import UserError
+
+    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    message = ("the processes disagree about the checkpoint to resume from (from -1 to 3); put --output-dir on a "
+               "file system that every node shares")
+    for mine, theirs in ((3, -1), (-1, 3)):
+        monkeypatch.setattr(distributed_utils.dist, "all_reduce", fake_all_reduce([theirs, -theirs]))
+        with pytest.raises(UserError) as error:
+            distributed_utils.check_same_on_every_rank(mine, torch.device("cpu"), "the checkpoint to resume from")
+        assert str(error.value) == message
+    monkeypatch.setattr(distributed_utils.dist, "all_reduce", fake_all_reduce([3, -3]))
+    distributed_utils.check_same_on_every_rank(3, torch.device("cpu"), "the checkpoint to resume from")
+
+
+# --- output folder -----------------------------------------------------------------------------
+
+def test_a_file_system_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    from multi_train_utils import run_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_lock.fcntl, "lockf", no_locks)
+    folder = tmp_path / "new"
+    try:
+        lock = run_lock.lock_output_dir(str(folder))
+    except run_lock.UserError as e:  # a refusal would stop every run on such a file system
+        lock = e
+    assert isinstance(lock, run_lock.RunLock)
+    assert capsys.readouterr().err == (f"warning: {folder}/run.lock: this file system does not lock files "
+                                       f"({os.strerror(errno.ENOLCK)}); make sure no other run writes into {folder}\n")
+    assert folder.is_dir()  # the run can write there
+    # bad input found after this writes nothing: at exit the lock file and the new folder go
+    lock.discard()
+    assert not folder.exists()
+    # a run that wrote a file keeps it, and the folder
+    lock = run_lock.lock_output_dir(str(folder))
+    (folder / "metrics.csv").write_text("epoch\n")
+    lock.discard()
+    assert sorted(os.listdir(folder)) == ["metrics.csv", "run.lock"]
+
+
+def test_args_json_holds_every_flag_with_absolute_data_paths(tmp_path, monkeypatch):
+    from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils.run_files import write_run_settings
+
+    monkeypatch.chdir(tmp_path)
+    here = os.getcwd()
+    for distributed in (False, True):
+        parser = get_args_parser(distributed)
+        args = parse_args(parser, ["--model", "resnet18", "--data-path", "data/x", "--val-path", "data/v"])
+        write_run_settings(str(tmp_path), args, ["a", "b"])
+        with open(tmp_path / "args.json") as f:
+            saved = json.load(f)
+        flags = {action.dest for action in parser._actions if action.dest != "help"}  # argparse's own list
+        assert set(saved) == flags
+        assert (saved["data_path"], saved["val_path"]) == (os.path.join(here, "data/x"), os.path.join(here, "data/v"))
+        assert saved["weights"] == "" and saved["resume"] is None and saved["epochs"] == 30
+        with open(tmp_path / "class_indices.json") as f:
+            assert json.load(f) == {"0": "a", "1": "b"}
+
+
+# --- SLURM -------------------------------------------------------------------------------------
+
+def no_launcher(monkeypatch):
+    """No launcher variables (one process); monkeypatch also undoes what read_dist_env sets."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")] + ["RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                                                     "MASTER_PORT", "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+def slurm_task(monkeypatch):
+    """Task 1 of a 2-task srun step of job 123456, and no other launcher variable."""
+    no_launcher(monkeypatch)
+    for key, value in dict(SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID="1",
+                           SLURM_JOB_ID="123456").items():
+        monkeypatch.setenv(key, value)
+
+
+def test_slurm_address_and_port_come_from_master_addr_node_list_launch_node_and_step(monkeypatch):
+    from multi_train_utils.distributed_utils import read_dist_env
+    from multi_train_utils.errors import UserError
+
+    slurm_task(monkeypatch)
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.setenv("SLURM_NODELIST", "gpu[03-04]")
+    read_dist_env()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.1.2.3", "29999")  # set: kept
+
+    slurm_task(monkeypatch)
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.5")  # no node list
+    monkeypatch.setenv("SLURM_STEP_ID", "2")
+    read_dist_env()
+    assert os.environ["MASTER_ADDR"] == "10.0.0.5"
+    assert os.environ["MASTER_PORT"] == "20456"  # 15000 + (123456 + 1000 x 2) mod 20000 = 15000 + 5456
+
+    slurm_task(monkeypatch)
+    with pytest.raises(UserError, match="^SLURM job without SLURM_NODELIST or SLURM_LAUNCH_NODE_IPADDR: set "
+                                        "MASTER_ADDR"):
+        read_dist_env()
+
+
+# --- metrics.csv and TensorBoard ---------------------------------------------------------------
+
+class Clock:
+    """A perf_counter that moves only when told (seconds of fake work)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_images_per_second_counts_every_ranks_images_and_leaves_out_the_first_two_steps(monkeypatch):
+    """6 steps of 4 images per rank on 2 ranks; steps 0 and 1 (start-up) take 5 s each, the
+    others 1 s: 4 steps x 8 images in 4 s = 8 images/s."""
+    from multi_train_utils import train_eval_utils
+    from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
+
+    clock = Clock()
+    monkeypatch.setattr(train_eval_utils, "time", clock)
+    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: 2)
+
+    class Timed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.steps = nn.Linear(3 * 4 * 4, 3), 0
+
+        def forward(self, x):
+            clock.now += 5.0 if self.steps < 2 else 1.0
+            self.steps += 1
+            return self.linear(x.flatten(1))
+
+    class Loader(list):
+        batch_sampler = argparse.Namespace(batch_size=4)
+
+    loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
+    model = Timed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = train_one_epoch(model, optimizer, loader, torch.device("cpu"), 0, settings=LoopSettings(print_freq=6))
+    assert stats.images == 6 * 4 * 2
+    assert stats.images_per_second == pytest.approx(8.0)
+    assert stats.seconds == pytest.approx(14.0)
+
+
+class NoRunLog:
+    """RunLog without taking over this process's stdout and stderr."""
+
+    def attach(self, path, append=False):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("name", ["train_single", "train_multi_gpu"])
+def test_epoch_seconds_is_the_wall_time_of_training_and_validation(name, tiny_data, tmp_path, monkeypatch):
+    """The script's main, in this process, with a training epoch that takes 3 s and a
+    validation pass that takes 2 s (on a fake clock): epoch_seconds is 5 for every epoch."""
+    import importlib
+
+    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+
+    script = importlib.import_module(name)
+    clock = Clock()
+
+    def train_one_epoch(*args, **kwargs):
+        clock.now += 3.0
+        return TrainStats(mean_loss=1.0, images=32, seconds=3.0, last_lr=0.001, images_per_second=10.0)
+
+    def evaluate(model, loader, device, num_classes, settings=None):
+        clock.now += 2.0
+        return EvalResult(torch.eye(num_classes, dtype=torch.int64), None, 1.0)
+
+    no_launcher(monkeypatch)  # train_multi_gpu.py as one process
+    for attribute, value in (("time", clock), ("train_one_epoch", train_one_epoch), ("evaluate", evaluate),
+                             ("install_stop_handlers", lambda *args, **kwargs: None), ("RunLog", NoRunLog)):
+        monkeypatch.setattr(script, attribute, value)
+    threads = torch.get_num_threads()
+    try:
+        script.main(train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", "0", "--amp", "off",
+                               "--threads", "1", "--model", "mobilenet_v3_small"))  # small checkpoints: quick
+    finally:
+        torch.set_num_threads(threads)  # --threads sets this process's threads
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        assert [row["epoch_seconds"] for row in csv.DictReader(f)] == ["5.000", "5.000"]
+
+
+def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
+    """A RunRecorder (rank 0) of a tiny model through one epoch per EvalResult of ``results``;
+    returns (recorder, the weights of each epoch)."""
+    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.recorder import RunRecorder
+    from multi_train_utils.train_eval_utils import TrainStats
+
+    args = run_args(tmp_path, *extra, *(["--model-ema"] if ema_results else []))
+    recorder = RunRecorder(args, classes, enabled=True)
+    model = nn.Linear(2, len(classes))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    ema = ModelEma(model, 0.9) if ema_results else None
+    weights = []
+    for epoch, result in enumerate(results):
+        with torch.no_grad():
+            model.weight.fill_(epoch)  # each epoch's weights are told apart by their value
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        stats = TrainStats(mean_loss=1.5, images=8, seconds=2.0, last_lr=0.01, images_per_second=4.0)
+        recorder.end_epoch(epoch, model, optimizer, scheduler, None, stats, result, 2.5, ema,
+                           ema_results[epoch] if ema_results else None)
+    recorder.close()
+    return recorder, weights
+
+
+def seven_class_result(top5_correct):
+    """10 validation images of 7 classes, 4 of them right."""
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    confusion = torch.zeros(7, 7, dtype=torch.int64)
+    for true, predicted in [(0, 0), (1, 1), (2, 2), (3, 3), (0, 1), (1, 2), (4, 5), (5, 6), (6, 0), (6, 1)]:
+        confusion[true, predicted] += 1
+    return EvalResult(confusion, top5_correct, loss_sum=12.0)
+
+
+def test_val_top5_accuracy_is_written_with_more_than_5_classes_and_empty_with_5(tmp_path):
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    names = [f"c{i}" for i in range(7)]
+    record_epochs(tmp_path / "seven", names, [seven_class_result(top5_correct=8)])
+    with open(tmp_path / "seven" / "out" / "metrics.csv") as f:
+        row = next(csv.DictReader(f))
+    assert row["val_accuracy"] == "0.400000" and row["val_top5_accuracy"] == "0.800000"  # 8 of 10
+    record_epochs(tmp_path / "five", CLASSES, [EvalResult(torch.eye(5, dtype=torch.int64), None, 1.0)])
+    with open(tmp_path / "five" / "out" / "metrics.csv") as f:
+        assert next(csv.DictReader(f))["val_top5_accuracy"] == ""
+
+
+def test_tensorboard_logs_top5_accuracy_and_the_emas_figures_under_ema(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    classes = [f"c{i}" for i in range(7)]
+    recorder, _ = record_epochs(tmp_path, classes, [seven_class_result(top5_correct=8)],
+                                ema_results=[seven_class_result(top5_correct=9)])
+    events = EventAccumulator(recorder.log_dir)
+    events.Reload()
+    logged = {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"]}
+    names = ["accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy", "val_loss"]
+    assert set(logged) == {"loss", "learning_rate", "images_per_second", *names, *("ema/" + n for n in names)}
+    for prefix, top5 in (("", 0.8), ("ema/", 0.9)):
+        assert logged[prefix + "top5_accuracy"] == pytest.approx(top5)
+        assert logged[prefix + "accuracy"] == pytest.approx(0.4)
+        assert logged[prefix + "val_loss"] == pytest.approx(1.2)  # 12 over 10 images
+
+
+def test_val_loss_balanced_accuracy_and_macro_f1_cells_hold_the_epochs_figures(tmp_path):
+    """By hand, for 10 images of 3 classes (rows true, columns predicted):
+    recall 3/4, 2/4, 1/2 -> balanced accuracy 0.583333; F1 = 2TP / (2TP + FP + FN):
+    6/8, 4/7, 2/5 -> macro-F1 0.573810; val_loss 7.5 / 10."""
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    confusion = torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 1]])
+    record_epochs(tmp_path, ["a", "b", "c"], [EvalResult(confusion, None, loss_sum=7.5)])
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        row = next(csv.DictReader(f))
+    assert (row["val_accuracy"], row["val_loss"], row["val_balanced_accuracy"], row["val_macro_f1"]) == \
+        ("0.600000", "0.750000", "0.583333", "0.573810")
+    assert row["epoch_seconds"] == "2.500" and row["images_per_second"] == "4.00"
+
+
+def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, monkeypatch):
+    """The resumed recorder, started another day, logs into the checkpoint's TensorBoard
+    folder; a resume from a checkpoint elsewhere starts a new one under --log-dir."""
+    import time
+    import types
+
+    from multi_train_utils import recorder
+    from multi_train_utils.recorder import RunRecorder
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    first, _ = record_epochs(tmp_path, CLASSES, [EvalResult(torch.eye(5, dtype=torch.int64), None, 1.0)])
+    later = types.SimpleNamespace(strftime=lambda fmt: "20990101-000000", perf_counter=time.perf_counter)
+    monkeypatch.setattr(recorder, "time", later)  # a new folder would not be named like the first one
+    path = tmp_path / "out" / "checkpoint.pth"
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    args = run_args(tmp_path)
+    resumed = RunRecorder(args, CLASSES, enabled=False, checkpoint=checkpoint, resume_path=str(path))
+    assert resumed.log_dir == first.log_dir and os.path.isdir(first.log_dir)
+    elsewhere = RunRecorder(run_args(tmp_path / "new"), CLASSES, enabled=False, checkpoint=checkpoint,
+                            resume_path=str(path))
+    assert os.path.dirname(elsewhere.log_dir) == str(tmp_path / "new" / "tb")
+
+
+def test_best_metric_balanced_accuracy_picks_the_epoch_with_the_higher_balanced_accuracy(tmp_path):
+    """8 images of class a, 2 of b. Epoch 0: accuracy 0.9, balanced accuracy (1 + 1/2) / 2 =
+    0.75; epoch 1: accuracy 0.7, balanced accuracy (5/8 + 1) / 2 = 0.8125. model-best.pth
+    must hold epoch 1's weights (epoch 1's accuracy is below epoch 0's balanced accuracy too)."""
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    epoch0 = EvalResult(torch.tensor([[8, 0], [1, 1]]), None, 1.0)
+    epoch1 = EvalResult(torch.tensor([[5, 3], [0, 2]]), None, 1.0)
+    recorder, weights = record_epochs(tmp_path, ["a", "b"], [epoch0, epoch1],
+                                      extra=["--best-metric", "balanced_accuracy"])
+    assert recorder.best_epoch == 1 and recorder.best_value == pytest.approx(0.8125)
+    best = torch.load(tmp_path / "out" / "model-best.pth", weights_only=True)
+    assert torch.equal(best["weight"], weights[1]["weight"])
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        assert [row["val_balanced_accuracy"] for row in csv.DictReader(f)] == ["0.750000", "0.812500"]
+
+
+# --- the data ----------------------------------------------------------------------------------
+
+def small_image(path, colour=(200, 40, 40), size=(20, 16), mode="RGB"):
+    Image.new("RGB", size, colour).convert(mode).save(path)
+
+
+def test_gif_and_tif_images_are_found_by_extension_in_any_case(tmp_path):
+    from utils import read_split_data
+
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name)
+    small_image(tmp_path / "a" / "one.GIF", mode="P")
+    small_image(tmp_path / "a" / "two.tiff")
+    small_image(tmp_path / "a" / "three.Tif")
+    for name in ("a/x1.jpg", "a/x2.jpg", "b/y1.png", "b/y2.png"):
+        small_image(tmp_path / name)
+    split = read_split_data(str(tmp_path), val_rate=0.5)
+    found = sorted(os.path.relpath(p, tmp_path) for p in split.train_images_path + split.val_images_path)
+    assert found == ["a/one.GIF", "a/three.Tif", "a/two.tiff", "a/x1.jpg", "a/x2.jpg", "b/y1.png", "b/y2.png"]
+
+
+def test_a_16_bit_image_becomes_rgb_with_its_top_8_bits(tmp_path):
+    from multi_train_utils.images import read_image_uint8
+
+    values = [0x1234, 0xFF00, 0x12FF, 0x00FF, 0x8000]
+    image = Image.new("I;16", (len(values), 1))
+    for x, value in enumerate(values):
+        image.putpixel((x, 0), value)
+    image.save(tmp_path / "deep.png")
+    assert Image.open(tmp_path / "deep.png").mode == "I;16"  # really 16 bits on disk
+    pixels = read_image_uint8(str(tmp_path / "deep.png"))
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 1, len(values))
+    assert pixels[:, 0].tolist() == [[v >> 8 for v in values]] * 3  # 0x1234 -> 0x12, every channel
+
+
+def test_a_label_file_without_val_list_is_split_by_val_rate_as_folders_are(tmp_path):
+    from utils import read_label_files, read_split_data
+
+    rows = []
+    for name in ("cat", "dog"):
+        os.makedirs(tmp_path / "images" / name)
+        for i in range(5):
+            small_image(tmp_path / "images" / name / f"{i}.png", colour=(i * 40, 10, 10))
+            rows.append((f"images/{name}/{i}.png", name))
+    with open(tmp_path / "train.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("path", "label"), *rows])
+    split = read_label_files(str(tmp_path / "train.csv"), val_rate=0.4, seed=3)
+    assert split.val_images_label.count(0) == split.val_images_label.count(1) == 2  # round(5 x 0.4)
+    assert len(split.train_images_path) == 6 and not set(split.train_images_path) & set(split.val_images_path)
+    folders = read_split_data(str(tmp_path / "images"), val_rate=0.4, seed=3)
+    assert split.val_images_path == folders.val_images_path  # the same files, the same seed: the same split
+    assert split.train_images_path == folders.train_images_path
+
+
+# --- augmentation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["randaugment", "autoaugment"])
+def test_auto_augment_randaugment_and_autoaugment_reach_the_transforms(policy, tmp_path):
+    from torchvision.transforms import v2
+
+    from my_dataset import augment_settings
+    from utils import build_transforms
+
+    train, _ = build_transforms(32, **augment_settings(run_args(tmp_path, "--auto-augment", policy)))
+    kinds = [type(t) for t in train.transforms]
+    assert kinds == [v2.RandomResizedCrop, v2.RandomHorizontalFlip,
+                     {"randaugment": v2.RandAugment, "autoaugment": v2.AutoAugment}[policy]]
+
+
+def test_mixup_and_cutmix_together_give_each_batch_one_of_the_two():
+    """A MixUp batch is lam x image + (1 - lam) x the image before it, everywhere; in a
+    CutMix batch every pixel is one of the two images'. Over 20 steps both kinds occur."""
+    from multi_train_utils.mixing import BatchMixer
+
+    g = torch.Generator().manual_seed(3)
+    images, labels = torch.randn(8, 3, 16, 16, generator=g), torch.arange(8) % 5
+    partner = images.roll(1, 0)
+    mixer = BatchMixer(5, mixup_alpha=0.4, cutmix_alpha=1.0, seed=0)
+    kinds = []
+    for step in range(20):
+        mixed, targets = mixer(images, labels, epoch=0, step=step)
+        lam = float(targets[0, labels[0]])
+        own, pasted = (mixed == images).all(dim=1), (mixed == partner).all(dim=1)
+        if torch.allclose(mixed, lam * images + (1 - lam) * partner, atol=1e-6) and not (own | pasted).all():
+            kinds.append("mixup")
+        elif (own | pasted).all():
+            kinds.append("cutmix")
+        else:
+            kinds.append("neither")
+    assert "neither" not in kinds and {"mixup", "cutmix"} == set(kinds), kinds
+
+
+# --- errors and exit codes ---------------------------------------------------------------------
+
+def raising(error):
+    def main(argv):
+        raise error
+    return main
+
+
+def test_a_lost_peer_exits_1_with_one_line(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from multi_train_utils.errors import run_cli
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    cases = [(dist.DistBackendError("Connection closed by peer"),
+              "error: lost contact with another process (it failed or was stopped; see its error): Connection "
+              "closed by peer\n"),
+             (RuntimeError("[../gloo/transport.cc:42] Timed out waiting 1800000ms for recv operation"),
+              "error: a collective timed out after --dist-timeout: another process stopped answering (it hangs or "
+              "is gone): [../gloo/transport.cc:42] Timed out waiting 1800000ms for recv operation\n")]
+    for error, line in cases:
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(raising(error))
+        assert exit_.value.code == 1
+        assert capsys.readouterr().err == line
+
+
+# --- flags -------------------------------------------------------------------------------------
+
+def test_flag_defaults_are_the_readmes_and_demo_sets_resnet18_96_px_3_epochs():
+    import predict
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    readme = {"img_size": 224, "epochs": 30, "batch_size": 16, "lr": 0.001, "lrf": 0.1, "lr_step_size": 30,
+              "lr_gamma": 0.1, "warmup_epochs": 0, "momentum": 0.9, "weight_decay": 0.005, "model_ema_decay": 0.9998,
+              "seed": 0, "accum_steps": 1, "print_freq": 20, "output_dir": "weights", "log_dir": "runs",
+              "keep_last": 1, "patience": 0, "val_rate": 0.2, "amp": "auto", "best_metric": "accuracy",
+              "opt": "sgd", "lr_scheduler": "cosine", "dist_url": "env://", "dist_timeout": 1800, "sync_bn": None,
+              "auto_augment": "none", "random_erase": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+              "label_smoothing": 0.0, "class_weights": "none", "sampler": "shuffle", "scale_lr": True}
+    args = vars(parse_args(get_args_parser(True), []))
+    assert {k: args[k] for k in readme} == readme
+    assert parse_args(get_args_parser(False), ["--opt", "adamw"]).weight_decay == 0.05
+    demo = parse_args(get_args_parser(False), ["--demo"])
+    assert (demo.model, demo.img_size, demo.epochs, demo.data_path) == ("resnet18", 96, 3, "data/demo")
+    assert predict.get_args_parser().parse_args(["--weights", "w", "--image", "i"]).top_k == 3
+
+
+# --- predict.py --------------------------------------------------------------------------------
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 5-class resnet18 of 32 px with a head that ranks classes 1, 3, 2 first, as
+    checkpoint.pth (with args.json and class_indices.json beside it) and as a plain state
+    dict alone in another folder; and a test image."""
+    import torchvision
+
+    root = tmp_path_factory.mktemp("trained")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).eval()
+    with torch.no_grad():
+        model.fc.bias.copy_(torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0]))
+    state = model.state_dict()
+    run = root / "run"
+    os.makedirs(run)
+    torch.save({"model": state, "optimizer": {}, "epoch": 1, "classes": CLASSES, "args": {}}, run / "checkpoint.pth")
+    with open(run / "args.json", "w") as f:
+        json.dump({"model": "resnet18", "img_size": 32}, f)
+    with open(run / "class_indices.json", "w") as f:
+        json.dump({str(i): name for i, name in enumerate(CLASSES)}, f)
+    alone = root / "alone"
+    os.makedirs(alone)
+    torch.save(state, alone / "weights.pth")
+    rng = random.Random(0)
+    image = Image.new("RGB", (48, 40))
+    image.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(48 * 40)])
+    image.save(root / "photo.png")
+    found = {"root": root, "run": run, "alone": alone, "model": model, "image": str(root / "photo.png")}
+    return dict(found, top3=expected_top3(found))
+
+
+def expected_top3(trained):
+    """The top 3 (class, probability) of the test image, computed here: shorter side to
+    round(32 x 256 / 224) = 37, center crop 32, ImageNet normalisation, softmax."""
+    from torchvision.transforms.v2 import functional as F
+
+    pixels = F.pil_to_tensor(Image.open(trained["image"]).convert("RGB"))
+    pixels = F.center_crop(F.resize(pixels, [37], antialias=True), [32, 32])
+    x = (pixels.float()[None] / 255 - torch.tensor(MEAN).view(1, 3, 1, 1)) / torch.tensor(STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        probabilities = torch.softmax(trained["model"](x), dim=1)[0]
+    top = torch.topk(probabilities, 3)
+    return [(CLASSES[int(i)], float(p)) for p, i in zip(top.values, top.indices)]
+
+
+def run_predict(argv, capsys, monkeypatch):
+    """predict.py's main as its command line runs it: (exit code, stdout, stderr). On one
+    thread: the suite's other processes share the cores, and 2 threads then wait on each other."""
+    import predict
+    from multi_train_utils.errors import run_cli
+
+    monkeypatch.setattr(predict, "configure_cpu_threads", lambda device: torch.set_num_threads(1))
+    threads = torch.get_num_threads()
+    try:
+        run_cli(predict.main, [*argv, "--workers", "0", "--device", "cpu"])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_top3_line(stdout, trained):
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(trained["image"] + ": "), stdout
+    shown = [item.rsplit(" ", 1) for item in lines[0][len(trained["image"]) + 2:].split(", ")]
+    expected = trained["top3"]
+    assert [name for name, _ in shown] == [name for name, _ in expected]
+    assert [float(p) for _, p in shown] == pytest.approx([p for _, p in expected], abs=2e-3)
+
+
+def test_predict_takes_a_checkpoint_pth_as_weights(trained, capsys, monkeypatch):
+    code, out, err = run_predict(["--weights", str(trained["run"] / "checkpoint.pth"), "--image", trained["image"]],
+                                 capsys, monkeypatch)
+    assert code == 0, err
+    assert_top3_line(out, trained)
+
+
+def test_predict_loads_strictly_and_names_the_tensor_that_does_not_fit(trained, tmp_path, capsys, monkeypatch):
+    """Three class names against 5-class weights: refused, never a model with a random head."""
+    with open(tmp_path / "three.json", "w") as f:
+        json.dump({"0": "a", "1": "b", "2": "c"}, f)
+    weights = str(trained["run"] / "checkpoint.pth")
+    code, out, err = run_predict(["--weights", weights, "--image", trained["image"], "--class-indices",
+                                  str(tmp_path / "three.json")], capsys, monkeypatch)
+    assert code == 2 and out == ""
+    assert err == (f"error: --weights {weights} does not match this model exactly: fc.bias is (5,) in the file but "
+                   "(3,) in the model; pass the --model and --num-classes it was trained with\n")
+
+
+def test_predict_flags_model_img_size_and_class_indices_win_over_the_run_files(trained, capsys, monkeypatch):
+    alone = trained["alone"]
+    argv = ["--weights", str(alone / "weights.pth"), "--image", trained["image"], "--model", "resnet18",
+            "--img-size", "32", "--class-indices", str(trained["run"] / "class_indices.json")]
+    code, out, err = run_predict(argv, capsys, monkeypatch)  # no args.json nor class_indices.json beside the weights
+    assert code == 0, err
+    assert_top3_line(out, trained)
+    with open(alone / "args.json", "w") as f:  # run files that say otherwise: the flags win
+        json.dump({"model": "resnet34", "img_size": 64}, f)
+    with open(alone / "class_indices.json", "w") as f:
+        json.dump({str(i): name for i, name in enumerate(reversed(CLASSES))}, f)
+    try:
+        code, out, err = run_predict(argv, capsys, monkeypatch)
+    finally:
+        os.remove(alone / "args.json")
+        os.remove(alone / "class_indices.json")
+    assert code == 0, err
+    assert_top3_line(out, trained)
+
+
+# --- class names -------------------------------------------------------------------------------
+
+def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
+    """Names from a label file or class_indices.json may hold anything: every file written
+    with them (args.json, class_indices.json, the confusion matrix, --eval-output's metrics)
+    lands in the folder, under the fixed names."""
+    from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils.pictures import save_confusion_matrix
+    from multi_train_utils.run_files import write_run_settings
+    from multi_train_utils.summary import report_evaluation
+    from multi_train_utils.train_eval_utils import EvalResult
+    from my_dataset import Datasets, MyDataSet
+
+    classes = ["../../escaped", "../sibling", "..", "c\\d", "e"]
+    out, evaluation = tmp_path / "deep" / "out", tmp_path / "deep" / "eval"
+    os.makedirs(out)
+    args = parse_args(get_args_parser(False), ["--eval-only", "--weights", str(out / "model-best.pth"),
+                                               "--eval-output", str(evaluation), "--data-path", str(tmp_path)])
+    write_run_settings(str(out), args, classes)
+    confusion = torch.eye(5, dtype=torch.int64)
+    save_confusion_matrix(confusion, classes, str(out), "best epoch 0")
+    labels = list(range(5))
+    data = Datasets(MyDataSet(["x"] * 5, labels), MyDataSet(["y"] * 5, labels), classes)
+    report_evaluation(EvalResult(confusion, None, 1.0), data, args)
+    capsys.readouterr()
+    written = sorted(os.path.relpath(os.path.join(folder, name), tmp_path)
+                     for folder, _, names in os.walk(tmp_path) for name in names)
+    assert written == sorted(["deep/out/args.json", "deep/out/class_indices.json", "deep/out/confusion_matrix.png",
+                              "deep/out/confusion_matrix.csv", "deep/eval/confusion_matrix.png",
+                              "deep/eval/confusion_matrix.csv", "deep/eval/overall_metrics.csv",
+                              "deep/eval/per_class_metrics.csv"])
+    with open(out / "class_indices.json") as f:
+        assert json.load(f) == {str(i): name for i, name in enumerate(classes)}
