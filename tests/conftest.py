@@ -152,26 +152,66 @@ def forks_from_prestarted(cmd):
             and os.environ.get("TESTS_FRESH_PROCESSES") != "1")
 
 
-def run_prestarted(cmd, timeout, env, cwd):
-    import locale
+class ScriptProcess:
+    """``python SCRIPT.py ...`` forked from the prestarted Python, or a new interpreter with
+    TESTS_FRESH_PROCESSES=1; ``finish`` waits for it (killing its tree after ``deadline``)."""
+
+    def __init__(self, cmd, env, cwd):
+        self.cmd = cmd
+        if forks_from_prestarted(cmd):
+            self.pid, self.paths = PRESTARTED_PYTHON.start([str(c) for c in cmd[1:]], subprocess_env(env), cwd)
+            self.proc = None
+        else:
+            self.proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(env), stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+            self.pid = self.proc.pid
+
+    def finish(self, deadline):
+        """(exit code, stdout, stderr, timed out)."""
+        import locale
+        import time
+
+        if self.proc is not None:
+            try:
+                stdout, stderr = self.proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                return self.proc.returncode, stdout, stderr, False
+            except subprocess.TimeoutExpired:
+                kill_tree(self.pid)
+                stdout, stderr = self.proc.communicate()
+                return self.proc.returncode, stdout, stderr, True
+        timed_out = False
+        while not os.path.exists(self.paths["rc"]):
+            if not timed_out and time.monotonic() > deadline:
+                kill_tree(self.pid)
+                timed_out = True
+            time.sleep(0.01)
+        encoding = locale.getpreferredencoding(False)
+        with open(self.paths["stdout"], encoding=encoding) as out, \
+                open(self.paths["stderr"], encoding=encoding) as err, open(self.paths["rc"]) as rc:
+            stdout, stderr, code = out.read(), err.read(), int(rc.read())
+        for path in self.paths.values():
+            os.remove(path)
+        return code, stdout, stderr, timed_out
+
+
+def run_ranks(world_size, cmd, timeout=180, env=None, cwd=REPO):
+    """Run ``python SCRIPT.py ...`` as ``world_size`` processes of one job, each told its
+    rank by the variables srun and torchrun set (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): DDP for real over gloo, as srun launches
+    it, without a launcher process. Returns a CompletedProcess with rank 0's stdout, every
+    rank's stderr and the first non-zero exit code; a time-out kills every rank."""
     import time
 
-    pid, paths = PRESTARTED_PYTHON.start([str(c) for c in cmd[1:]], subprocess_env(env), cwd)
+    port = str(free_port())
+    ranks = [ScriptProcess(cmd, dict(env or {}, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                                     LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                           cwd) for r in range(world_size)]
     deadline = time.monotonic() + timeout
-    timed_out = False
-    while not os.path.exists(paths["rc"]):
-        if not timed_out and time.monotonic() > deadline:
-            kill_tree(pid)
-            timed_out = True
-        time.sleep(0.01)
-    encoding = locale.getpreferredencoding(False)
-    with open(paths["stdout"], encoding=encoding) as out, open(paths["stderr"], encoding=encoding) as err, \
-            open(paths["rc"]) as rc:
-        stdout, stderr, code = out.read(), err.read(), int(rc.read())
-    for path in paths.values():
-        os.remove(path)
-    if timed_out:
+    results = [rank.finish(deadline) for rank in ranks]
+    stdout, stderr = results[0][1], "".join(r[2] for r in results)
+    if any(r[3] for r in results):
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    code = next((r[0] for r in results if r[0] != 0), 0)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
@@ -179,17 +219,12 @@ def run(cmd, timeout=180, env=None, cwd=REPO):
     """Run a command to completion; return the CompletedProcess (stdout and stderr as text).
     On a time-out the whole process tree is killed, so no worker is left behind.
     ``python SCRIPT.py ...`` forks from the prestarted Python (see Prestarted)."""
-    if forks_from_prestarted(cmd):
-        return run_prestarted(cmd, timeout, env, cwd)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    import time
+
+    code, stdout, stderr, timed_out = ScriptProcess(cmd, env, cwd).finish(time.monotonic() + timeout)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def script(name):

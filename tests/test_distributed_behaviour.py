@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import PROBE, PYTHON, TORCHRUN, free_port, probe_records, read_metrics, run, train_args
+from conftest import PROBE, PYTHON, probe_records, read_metrics, run, run_ranks, train_args
 
 
 # name: (hyper-parameters, float64?, {run: batch flags})
@@ -22,8 +22,8 @@ EQUIVALENCE_SETS = {
 @pytest.fixture(scope="module")
 def equivalence_runs(tiny_data, tmp_path_factory):
     """Same data, same seed, no autocast, BatchNorm in eval mode, no lr scaling, 2 epochs:
-    torchrun 2 ranks x batch 2 (rank 1's weights perturbed before the DDP wrap), torchrun
-    2 ranks x batch 1 x 2 accumulation steps, and train_single 1 rank x batch 4; in float64
+    2 ranks x batch 2 (rank 1's weights perturbed before the DDP wrap), 2 ranks x batch 1 x
+    2 accumulation steps, and train_single 1 rank x batch 4; in float64
     at two settings (there the paths must agree to rounding, 1e-12) and in float32."""
     root = tmp_path_factory.mktemp("equivalence")
     results = {}
@@ -36,9 +36,10 @@ def equivalence_runs(tiny_data, tmp_path_factory):
                 cmd = [PYTHON, PROBE, "single"]
             else:
                 env.update(PROBE_PERTURB="1", PROBE_COUNT_SYNCS="1")
-                cmd = [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                       "--no-scale-lr"]
-            results[name, kind] = run([*cmd, *train_args(tiny_data, out, *flags, *batch_flags)], env=env)
+                cmd = [PYTHON, PROBE, "multi", "--no-scale-lr"]
+            cmd += train_args(tiny_data, out, *flags, *batch_flags)
+            # the 2 ranks as srun starts them, one process each (torchrun itself: test_launch_modes)
+            results[name, kind] = run(cmd, env=env) if kind == "single" else run_ranks(2, cmd, env=env)
     return {"root": root, "results": results}
 
 
@@ -120,11 +121,11 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     sees it. Both ranks stop at the same step, the next loss check (--print-freq 3: after
     step 2), with one message naming step 1; nothing of the epoch is saved."""
     out = tmp_path / "out"
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                  *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
-                              "--dist-timeout", "20")],  # a rank left waiting fails in seconds, not hours
-                 env={"PROBE_NAN_RANK": "1", "PROBE_NAN_STEP": "1", "PROBE_OUT": str(tmp_path / "probe")},
-                 timeout=120)
+    result = run_ranks(2, [PYTHON, PROBE, "multi",
+                           *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
+                                       "--dist-timeout", "20")],  # a rank left waiting fails in seconds, not hours
+                       env={"PROBE_NAN_RANK": "1", "PROBE_NAN_STEP": "1", "PROBE_OUT": str(tmp_path / "probe")},
+                       timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == ["error: training loss became nan at epoch 0, step 1; lower --lr, add --warmup-epochs or "

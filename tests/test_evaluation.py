@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from conftest import PYTHON, TORCHRUN, assert_exact_accuracy, free_port, read_metrics, run, script, top1_line
+from conftest import PYTHON, assert_exact_accuracy, read_metrics, run, run_ranks, script, top1_line
 
 
 def snapshot(folder):
@@ -19,11 +19,9 @@ def eval_only(weights, world_size, script_name="train_multi_gpu.py", *extra):
     import tempfile
 
     cwd = tempfile.mkdtemp()
-    if world_size == 1:
-        cmd = [PYTHON, script(script_name)]
-    else:
-        cmd = [*TORCHRUN, f"--nproc_per_node={world_size}", "--master_port", str(free_port()), script(script_name)]
-    result = run(cmd + ["--eval-only", "--weights", weights, "--workers", "0", *extra], cwd=cwd)
+    cmd = [PYTHON, script(script_name), "--eval-only", "--weights", weights, "--workers", "0", *extra]
+    # several ranks as srun starts them, one process each (torchrun's own tests are in test_launch_modes)
+    result = run(cmd, cwd=cwd) if world_size == 1 else run_ranks(world_size, cmd, cwd=cwd)
     assert result.returncode == 0, result.stdout + result.stderr
     assert os.listdir(cwd) == []
     return result.stdout

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from PIL import Image
 
-from conftest import (CLASSES, FAST, PYTHON, REPO, TORCHRUN, assert_exact_accuracy, free_port, read_metrics, run,
-                      script, write_class_folder)
+from conftest import (CLASSES, FAST, PYTHON, REPO, assert_exact_accuracy, read_metrics, run, run_ranks, script,
+                      write_class_folder)
 
 OWN_DATASET = os.path.join(REPO, "tests", "helpers", "own_dataset.py")
 
@@ -54,11 +54,11 @@ def test_imagefolder_trains_in_one_process_with_its_pictures(image_folders, tmp_
 
 
 def test_imagefolder_trains_with_ddp_and_evaluates_exactly(image_folders, tmp_path):
-    """torchrun --nproc_per_node=2 train_multi_gpu.py with ImageFolder datasets (float
+    """train_multi_gpu.py on 2 ranks (as srun starts them) with ImageFolder datasets (float
     validation images), then --eval-only of its last weights in one process: the same count."""
     out = tmp_path / "out"
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), OWN_DATASET, "multi",
-                  *own_dataset_args(image_folders, out, "--epochs", "2", "--workers", "0")])
+    result = run_ranks(2, [PYTHON, OWN_DATASET, "multi", *own_dataset_args(image_folders, out, "--epochs", "2",
+                                                                          "--workers", "0")])
     assert result.returncode == 0, result.stdout + result.stderr
     counts = assert_exact_accuracy(result.stdout, str(out), epochs=2)
     evaluation = run([PYTHON, OWN_DATASET, "single", "--eval-only", "--weights", str(out / "model-1.pth"),

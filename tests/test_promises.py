@@ -17,8 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import (FAST, PROBE, PYTHON, TORCHRUN, free_port, probe_records, read_metrics, run, script,
-                      train_args)
+from conftest import FAST, PROBE, PYTHON, probe_records, read_metrics, run, run_ranks, script, train_args
 
 # --- 12 classes: every index keeps its own name in predict.py, export.py and --eval-only ----------
 
@@ -131,7 +130,7 @@ RECIPE = ["--seed", "7", "--amp", "off", "--label-smoothing", "0.1", "--mixup-al
 @pytest.fixture(scope="module")
 def seeded_runs(tiny_data, tmp_path_factory):
     """--seed 7 with a recipe: train_single.py, and train_multi_gpu.py as one process (world
-    size 1), 2 epochs each; then torchrun --nproc_per_node=2 train_multi_gpu.py, 1 epoch,
+    size 1), 2 epochs each; then train_multi_gpu.py on 2 ranks (as srun starts them), 1 epoch,
     --seed 7 alone. All through the probe: {name: (output dir, result, probe records)}."""
     runs = {}
     root = tmp_path_factory.mktemp("seeded")
@@ -142,9 +141,8 @@ def seeded_runs(tiny_data, tmp_path_factory):
         assert result.returncode == 0, result.stdout + result.stderr
         runs[name] = (out, result, probe_records(f"{out}.probe", 1))
     out = root / "ddp"
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                  *train_args(tiny_data, out, "--epochs", "1", "--workers", "0", "--seed", "7")],
-                 env={"PROBE_OUT": f"{out}.probe"})
+    result = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, "--epochs", "1", "--workers", "0",
+                                                              "--seed", "7")], env={"PROBE_OUT": f"{out}.probe"})
     assert result.returncode == 0, result.stdout + result.stderr
     runs["ddp"] = (out, result, probe_records(f"{out}.probe", 2))
     return runs

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, probe_records, read_metrics, run,
-                      script, train_args)
+                      run_ranks, script, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 
@@ -385,8 +385,9 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
 
     epochs = ["--epochs", "3", "--workers", "0"]
     straight = tmp_path / "straight"
-    result = run(ddp(*train_args(tiny_data, straight, *epochs, *RECIPE)),
-                 env={"PROBE_OUT": f"{straight}.probe", "PROBE_PERTURB": "1"})
+    # the straight run: 2 ranks as srun starts them; the killed one below runs under torchrun
+    result = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, straight, *epochs, *RECIPE)],
+                       env={"PROBE_OUT": f"{straight}.probe", "PROBE_PERTURB": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     # the loss, the mixing and the balanced sampler reached the loop; the counts of the training
     # classes are 7 7 7 8 7 (6 of each, plus the other formats, one unreadable)
