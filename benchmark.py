@@ -17,7 +17,6 @@ records, per row, what was timed: images and steps after the warm-up and, for ro
 the model here, the dtype and memory format of the first convolution's output.
 """
 import argparse
-import csv
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ from multi_train_utils.example_data import make_demo_dataset
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
+from multi_train_utils.run_files import read_metrics
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
 from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, image_file_datasets
 from utils import make_loader, read_split_data, stack_batch
@@ -217,8 +217,7 @@ def measure_scaling(args, data_path, processes, device):
         if result.returncode != 0:
             raise UserError(f"scaling run with {processes} processes failed:\n{result.stdout[-2000:]}"
                             f"{result.stderr[-2000:]}")
-        with open(os.path.join(out, "metrics.csv")) as f:
-            rate = float(list(csv.DictReader(f))[-1]["images_per_second"])
+        rate = float(read_metrics(out)[-1]["images_per_second"])
     return rate, scaling_timed(result.stdout, args.batch_size * processes)
 
 

@@ -48,10 +48,17 @@ def free_port(low=None, high=None):
     raise RuntimeError("no free port")
 
 
+# No test uses the network: every HTTP(S) request of a test's process goes to a proxy on a
+# port where nothing listens, and fails at once (torch.hub, --download and urllib alike).
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9",
+              "HTTPS_PROXY": "http://127.0.0.1:9", "no_proxy": "", "NO_PROXY": ""}
+os.environ.update(NO_NETWORK)  # the tests that run in-process too
+
+
 def subprocess_env(extra=None):
-    """This environment without any launcher's variables, plus ``extra``."""
+    """This environment without any launcher's variables, with no network, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO, **NO_NETWORK)
     env.update(extra or {})
     return env
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TORCHRUN, free_port, kill_tree, pids_of_tree, read_metrics, run, script,
-                      subprocess_env, train_args)
+from conftest import (PYTHON, REPO, TORCHRUN, free_port, kill_tree, pids_of_tree, probe_records, read_metrics, run,
+                      script, subprocess_env, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 EPOCHS = ["--epochs", "4"]
@@ -186,7 +186,7 @@ def test_sigint_stops_every_process_within_10_seconds(kind, to, tiny_data, tmp_p
     out = tmp_path / "out"
     flags = train_args(tiny_data, out, "--epochs", "50", "--workers", "1")
     cmd = [PYTHON, script("train_multi_gpu.py"), "--spawn", "2", *flags] if kind == "spawn" else command(kind, True, *flags)
-    job = start(cmd, env={"PROBE_STEP_SLEEP": "0.2"})
+    job = start(cmd, env={"PROBE_STEP_SLEEP": "0.2", "PROBE_OUT": str(tmp_path / "probe")})
     wait_for_checkpoint(out, 0, job)
     time.sleep(0.5)  # mid-epoch
     pids = pids_of_tree(job.pid)
@@ -205,6 +205,9 @@ def test_sigint_stops_every_process_within_10_seconds(kind, to, tiny_data, tmp_p
     assert job.returncode != 0
     if kind == "single":
         assert job.returncode == 130
+    if kind == "ddp":  # each worker exits 130 (as the probe saw it leave); torchrun itself returns 1
+        assert [r.get("exit_code") for r in probe_records(tmp_path / "probe", 2)] == [130, 130]
+        assert job.returncode == 1
     assert "interrupted by SIGINT: to continue from the last finished epoch" in stderr
     assert "run the same command with --resume auto" in stderr
     finished = [int(line.split("]")[0].split()[-1]) for line in stdout.splitlines() if line.startswith("[epoch ")]

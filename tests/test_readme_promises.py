@@ -1,4 +1,5 @@
-"""In-process checks of README promises no other test guards: resume, locks, SLURM, metrics, predict, flags."""
+"""In-process checks of README promises no other test guards: resume, locks, SLURM, metrics, predict, flags,
+offline use, --download, the doctor, what a run shows and draws, speed settings, the layout, stopping."""
 import argparse
 import csv
 import errno
@@ -771,3 +772,820 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
                               "deep/eval/per_class_metrics.csv"])
     with open(out / "class_indices.json") as f:
         assert json.load(f) == {str(i): name for i, name in enumerate(classes)}
+
+
+# --- offline, and the files git ignores --------------------------------------------------------
+
+class NoNetwork:
+    """socket's ways out, each refused and noted: what a machine without a network gives."""
+
+    def __init__(self, monkeypatch):
+        import socket
+
+        self.attempts = []
+        for owner, name in ((socket, "getaddrinfo"), (socket, "create_connection"), (socket.socket, "connect"),
+                            (socket.socket, "connect_ex")):
+            monkeypatch.setattr(owner, name, self._refuse(name))
+
+    def _refuse(self, name):
+        def refuse(*args, **kwargs):
+            self.attempts.append((name, args[1:] if name.startswith("connect") else args))
+            raise OSError(errno.ENETUNREACH, "no network in this test")
+        return refuse
+
+
+def train_in_process(tiny_data, out, monkeypatch, *extra):
+    """train_single.py's main in this process (1 epoch of FAST on tiny_data, one thread),
+    without its Ctrl-C handlers and without taking over stdout for train.log."""
+    import train_single
+
+    monkeypatch.setattr(train_single, "install_stop_handlers", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train_single, "RunLog", NoRunLog)
+    threads = torch.get_num_threads()
+    try:
+        train_single.main(train_args(tiny_data, out, "--epochs", "1", "--workers", "0", "--amp", "off",
+                                     "--threads", "1", *extra))
+    finally:
+        torch.set_num_threads(threads)  # --threads sets this process's threads
+
+
+def test_training_works_offline_without_touching_the_network(tiny_data, tmp_path, monkeypatch, capsys):
+    """Everything but --download and --weights DEFAULT works offline: a whole run, with every
+    way out of the machine refused, trains and writes its files without trying one."""
+    network = NoNetwork(monkeypatch)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # and nothing downloaded before
+    failure = None
+    try:
+        train_in_process(tiny_data, tmp_path / "out", monkeypatch, "--model", "mobilenet_v3_small")  # small: quick
+    except Exception as e:  # noqa: BLE001 - the assertions below name it
+        failure = e
+    capsys.readouterr()
+    assert network.attempts == []
+    assert failure is None, repr(failure)
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        assert [row["epoch"] for row in csv.DictReader(f)] == ["0"]
+
+
+def test_weights_runs_and_data_are_git_ignored():
+    """What runs write goes to folders git ignores (read from the .gitignore files, as git
+    reads these simple patterns: "dir/" at the top, or "*" in the folder's own .gitignore)."""
+    from conftest import REPO
+
+    def patterns(path):
+        if not os.path.isfile(path):
+            return set()
+        with open(path) as f:
+            return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+
+    top = patterns(os.path.join(REPO, ".gitignore"))
+    for folder in ("weights", "runs", "data"):
+        own = patterns(os.path.join(REPO, folder, ".gitignore"))
+        assert {f"{folder}/", f"/{folder}/", folder, f"/{folder}"} & top or "*" in own, folder
+        assert {p for p in own if p.startswith("!")} <= {"!.gitignore"}, own  # nothing of a run taken back in
+
+
+# --- --download --------------------------------------------------------------------------------
+
+def fake_download(monkeypatch, example_data, archive=b""):
+    """_fetch, check_archive and extract_dataset replaced by recorders: what download_flower_photos
+    asks for, without the network. Returns the record."""
+    asked = {}
+
+    def fetch(url, file, size, root):
+        asked.update(url=url, size=size)
+        file.write(archive)
+
+    monkeypatch.setattr(example_data, "_fetch", fetch)
+    monkeypatch.setattr(example_data, "check_archive", lambda path, size, sha256: asked.update(sha256=sha256))
+    monkeypatch.setattr(example_data, "extract_dataset", lambda path, root, counts: asked.update(counts=counts))
+    return asked
+
+
+def test_download_checks_the_url_size_and_sha256_that_tensorflow_datasets_records(tmp_path, monkeypatch):
+    """TFDS's tf_flowers checksums.tsv: 228813984 bytes, this SHA-256; the README's URL."""
+    from multi_train_utils import example_data
+
+    asked = fake_download(monkeypatch, example_data)
+    example_data.download_flower_photos(str(tmp_path / "flower_photos"))
+    assert asked["url"] == "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
+    assert asked["size"] == 228_813_984
+    assert asked["sha256"] == "4c54ace7911aaffe13a365c34f650e71dd5bf1be0a58b464e5a7183e3e595d9c"
+
+
+def test_download_expects_the_readmes_images_per_class(tmp_path, monkeypatch):
+    from multi_train_utils import example_data
+
+    asked = fake_download(monkeypatch, example_data)
+    example_data.download_flower_photos(str(tmp_path / "flower_photos"))
+    assert asked["counts"] == {"daisy": 633, "dandelion": 898, "roses": 641, "sunflowers": 699, "tulips": 799}
+
+
+def test_an_interrupted_download_never_looks_like_a_dataset(tmp_path, monkeypatch):
+    """Ctrl-C while fetching, or while extracting a complete archive: no data/flower_photos,
+    and nothing else left beside it."""
+    import hashlib
+    import io
+    import tarfile
+
+    from multi_train_utils import example_data
+
+    data, root = tmp_path / "data", tmp_path / "data" / "flower_photos"
+
+    def fetch_then_interrupt(url, file, size, root):
+        file.write(b"\x1f\x8b" + b"x" * 1000)  # the start of an archive
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(example_data, "_fetch", fetch_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        example_data.download_flower_photos(str(root))
+    assert os.listdir(data) == []
+
+    buffer = io.BytesIO()  # a complete archive: flower_photos/daisy/0.png
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo("flower_photos/daisy/0.png")
+        info.size = len(png.getvalue())
+        tar.addfile(info, io.BytesIO(png.getvalue()))
+    archive = buffer.getvalue()
+    monkeypatch.setattr(example_data, "_fetch", lambda url, file, size, root: file.write(archive))
+    extractall = tarfile.TarFile.extractall
+
+    def extract_then_interrupt(self, path=".", *args, **kwargs):
+        extractall(self, path, *args, **kwargs)  # every file out, and then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", extract_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        example_data.download_flower_photos(str(root), size=len(archive), sha256=hashlib.sha256(archive).hexdigest(),
+                                            counts={"daisy": 1})
+    assert os.listdir(data) == []
+
+
+# --- model and device --------------------------------------------------------------------------
+
+def test_weights_default_asks_torchvision_for_the_models_default_weights(monkeypatch):
+    """ResNet-50's DEFAULT is IMAGENET1K_V2 in torchvision, not the first weights it lists."""
+    import torchvision
+
+    from model import read_weights
+
+    asked = []
+
+    def load_state_dict_from_url(url, *args, **kwargs):
+        asked.append(url)
+        return {"fc.bias": torch.zeros(1000)}
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", load_state_dict_from_url)
+    default = "https://download.pytorch.org/models/resnet50-11ad3fa6.pth"
+    assert torchvision.models.get_model_weights("resnet50").DEFAULT.url == default  # torchvision's own
+    state = read_weights("DEFAULT", "resnet50", progress=False)
+    assert asked == [default] and list(state) == ["fc.bias"]
+    read_weights("IMAGENET1K_V1", "resnet50", progress=False)
+    assert asked[1] == "https://download.pytorch.org/models/resnet50-0676ba61.pth"
+
+
+def test_an_own_nn_module_returned_by_create_model_trains(tiny_data, tmp_path, monkeypatch, capsys):
+    """README's example: create_model returns a small Sequential for --model tiny; a run
+    trains it (the loss moves its weights) and saves weights that load into it strictly."""
+    import model as model_module
+
+    torchvision_model = model_module.create_model
+
+    def create_model(name="resnet34", num_classes=5):
+        if name == "tiny":
+            return nn.Sequential(nn.Conv2d(3, 32, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                 nn.Flatten(), nn.Linear(32, num_classes))
+        return torchvision_model(name, num_classes)
+
+    monkeypatch.setattr(model_module, "create_model", create_model)
+    torch.manual_seed(0)  # the run's own seed decides its initial weights (--seed 0)
+    initial = create_model("tiny", 5).state_dict()
+    failure = None
+    try:
+        train_in_process(tiny_data, tmp_path / "out", monkeypatch, "--model", "tiny")
+    except Exception as e:  # noqa: BLE001 - the assertion below names it
+        failure = e
+    capsys.readouterr()
+    assert failure is None, repr(failure)
+    trained = torch.load(tmp_path / "out" / "model-0.pth", weights_only=True)
+    own = create_model("tiny", 5)
+    own.load_state_dict(trained, strict=True)
+    assert not torch.equal(trained["4.weight"], initial["4.weight"])
+    with open(tmp_path / "out" / "metrics.csv") as f:
+        assert 0 < float(next(csv.DictReader(f))["train_loss"]) < 10
+
+
+def test_device_auto_takes_mps_where_there_is_no_cuda(monkeypatch):
+    from multi_train_utils.distributed_utils import select_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert select_device("auto") == torch.device("mps")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert select_device("auto") == torch.device("cpu")
+
+
+# --- what a run shows and draws ----------------------------------------------------------------
+
+class Labelled(torch.utils.data.Dataset):
+    """A dataset known by its targets only: counting its classes must not read an image."""
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, index):
+        raise AssertionError("an image was read to count the classes")
+
+
+def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, monkeypatch):
+    from multi_train_utils import recorder as recorder_module
+    from multi_train_utils.recorder import RunRecorder
+    from my_dataset import Datasets
+
+    class Preview(torch.utils.data.Dataset):  # what batch_preview.png draws, asked as (epoch, index)
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, key):
+            return torch.zeros(3, 8, 8, dtype=torch.uint8), key[1] % 3
+
+    drawn, save_figure = {}, recorder_module.save_figure
+
+    def keep(fig, path, *args, **kwargs):
+        drawn[os.path.basename(path)] = fig
+        return save_figure(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(recorder_module, "save_figure", keep)
+    data = Datasets(Labelled([0, 0, 2, 0, 1, 2]), Labelled([2, 0]), ["a", "b", "c"])
+    recorder = RunRecorder(run_args(tmp_path, "--plots"), data.classes, enabled=True)
+    recorder.plot_data(data, Preview())
+    recorder.close()
+    assert (tmp_path / "out" / "class_distribution.png").is_file()
+    ax = drawn["class_distribution.png"].axes[0]
+    assert [[bar.get_height() for bar in bars] for bars in ax.containers] == [[3, 1, 2], [1, 0, 1]]  # train, val
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train (6)", "val (2)"]
+
+
+def test_the_pictures_command_draws_curves_of_a_run_not_yet_finished(tmp_path, capsys):
+    """A run after its first epoch: one row in metrics.csv, no checkpoint, no pictures yet."""
+    from multi_train_utils import pictures
+    from multi_train_utils.errors import run_cli
+
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir)
+    (run_dir / "metrics.csv").write_text(
+        "epoch,train_loss,val_accuracy,lr,images_per_second,epoch_seconds,val_loss,val_balanced_accuracy,"
+        "val_macro_f1,val_top5_accuracy,ema_val_accuracy,ema_val_loss,ema_val_balanced_accuracy,ema_val_macro_f1,"
+        "best_source\n0,1.612345,0.400000,0.00097553,12.50,8.200,1.500000,0.400000,0.350000,,,,,,model\n")
+    try:
+        run_cli(pictures.main, [str(run_dir)])  # as its command line runs it
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out == f"wrote {run_dir / 'curves.png'} (1 epochs)\n"
+    with Image.open(run_dir / "curves.png") as img:
+        assert img.format == "PNG" and min(img.size) >= 200
+
+
+def test_no_picture_opens_a_window():
+    """Every picture is a bare matplotlib Figure: no pyplot, so no window manager and no GUI
+    backend, whatever the machine has (a pyplot figure has a manager even under Agg)."""
+    from multi_train_utils.pictures import (plot_batch_preview, plot_class_distribution, plot_confusion_matrix,
+                                            plot_training_curves, save_figure)
+
+    rows = [{"epoch": "0", "train_loss": "1.5", "val_accuracy": "0.5", "lr": "0.001"}]
+    figures = [plot_class_distribution(["a", "b"], [3, 1], [1, 0]),
+               plot_batch_preview(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), [0, 1], ["a", "b"]),
+               plot_training_curves(rows), plot_confusion_matrix(torch.eye(2, dtype=torch.int64), ["a", "b"])]
+    for fig in figures:
+        assert fig.canvas.manager is None, type(fig.canvas)
+    assert save_figure(figures[0], os.devnull) == os.devnull  # drawn by Agg all the same
+
+
+def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, world_size=1):
+    """The lines of print_start_summary for a train_multi_gpu.py run with ``flags``."""
+    from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils.summary import print_start_summary
+    from multi_train_utils.train_eval_utils import LoopSettings
+    from my_dataset import Datasets
+
+    monkeypatch.chdir(tmp_path)
+    args = parse_args(get_args_parser(True), ["--model", "resnet18", *flags])
+    data = Datasets(Labelled([0, 1, 0, 1]), Labelled([0, 1]), ["a", "b"])
+    model = model or nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # 4 x 3 + 3 + 3 x 2 + 2 = 23 parameters
+    print_start_summary(args, data, torch.device("cpu"), LoopSettings(), model, lr, 0, "runs/x", world_size)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_start_summary_prints_the_parameter_count_and_the_learning_rate_schedule(tmp_path, monkeypatch, capsys):
+    lines = start_summary(tmp_path, monkeypatch, capsys, ["--warmup-epochs", "1", "--epochs", "4"])
+    assert "model: resnet18 (23 parameters)" in lines
+    assert "lr: 0.001; 1 warm-up epochs, then cosine to 0.0001 at epoch 3" in lines
+    frozen = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    frozen[0].requires_grad_(False)
+    lines = start_summary(tmp_path, monkeypatch, capsys, ["--epochs", "4"], frozen, lr=0.002, world_size=2)
+    assert "model: resnet18 (23 parameters, 8 trainable)" in lines
+    assert "lr: 0.002 (0.001 x 2 processes); cosine to 0.0002 at epoch 3" in lines  # lrf of the scaled rate
+    lines = start_summary(tmp_path, monkeypatch, capsys, ["--lr-scheduler", "step", "--lr-step-size", "2",
+                                                          "--lr-gamma", "0.5"])
+    assert "lr: 0.001; x 0.5 every 2 epochs" in lines
+
+
+def test_the_epoch_line_shows_the_learning_rate_and_the_speed(tmp_path, capsys):
+    """The epoch's last lr (0.01 here, not --lr 0.001) and its images/s (4.0)."""
+    from multi_train_utils.train_eval_utils import EvalResult
+
+    record_epochs(tmp_path, ["a", "b", "c"], [EvalResult(torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 1]]), None, 7.5)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[epoch")]
+    assert lines == ["[epoch 0] train_loss: 1.5000  val_accuracy: 0.6000 (6/10)  lr: 0.01  4.0 img/s"]
+
+
+def test_the_training_bar_shows_images_per_second_the_eta_and_the_loss(capsys):
+    import re
+
+    from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
+
+    class Loader(list):
+        batch_sampler = argparse.Namespace(batch_size=4)
+
+    torch.manual_seed(0)
+    loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
+    stats = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.01), loader, torch.device("cpu"), 0,
+                            settings=LoopSettings(print_freq=2))
+    final = capsys.readouterr().out.split("\r")[-1].strip()  # the bar as it ends
+    bar = re.fullmatch(r"\[train epoch 0\]: 100%\|\S+\| 24/24 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+img/s, loss=(\S+)\]",
+                       final)
+    assert bar, final
+    assert bar.group(1) == f"{stats.mean_loss:.3f}"
+
+
+# --- flags -------------------------------------------------------------------------------------
+
+def help_blocks(parser):
+    """{option string: its help text, on one line} from ``parser``'s --help."""
+    import re
+
+    blocks, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            head = re.split(r"\s{2,}", line.strip())[0]
+            current = [line]
+            for option in re.findall(r"(?<![\w-])(--?[\w-]+)", head):
+                blocks[option] = current
+        elif current is not None and line.startswith("   "):
+            current.append(line)
+        else:
+            current = None
+    return {option: " ".join(" ".join(lines).split()) for option, lines in blocks.items()}
+
+
+def test_help_describes_every_flag_with_its_default():
+    from multi_train_utils.options import get_args_parser
+
+    readme = {"--img-size": "224", "--epochs": "30", "--batch-size": "16", "--lr": "0.001", "--lrf": "0.1",
+              "--lr-step-size": "30", "--lr-gamma": "0.1", "--warmup-epochs": "0", "--momentum": "0.9",
+              "--model-ema-decay": "0.9998", "--seed": "0", "--accum-steps": "1", "--print-freq": "20",
+              "--amp": "auto", "--output-dir": "weights", "--log-dir": "runs", "--val-rate": "0.2",
+              "--patience": "0"}
+    for distributed in (False, True):
+        parser = get_args_parser(distributed)
+        blocks = help_blocks(parser)
+        for action in parser._actions:
+            if action.dest != "help":
+                block = blocks[action.option_strings[0]]
+                assert "default" in block, block
+        expected = dict(readme, **({"--dist-url": "env://", "--dist-timeout": "1800"} if distributed else {}))
+        for flag, value in expected.items():
+            assert f"(default: {value})" in blocks[flag], blocks[flag]
+        assert "default: 1, the last epoch's" in blocks["--keep-last"]
+
+
+# --- the doctor --------------------------------------------------------------------------------
+
+def node_facts(**changes):
+    """What local_facts gathers on a healthy node, with ``changes``."""
+    facts = {"rank": 0, "local_rank": 0, "host": "node0", "pid": 1000, "device": "cpu", "gpu": None,
+             "torch": "2.14.1", "cores": 8, "cores_per_process": 4, "cpus": list(range(8)), "shm_total": 8 << 30,
+             "shm_free": 8 << 30, "output_dir": "/runs/x", "disk_free": 10**11, "interfaces": ["lo", "eth0"],
+             "variables": {}}
+    facts.update(changes)
+    return facts
+
+
+def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys):
+    """check_collectives of a 1-process job on a real store, its collectives replaced by a
+    recorder of the all-reduce size they are given."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from multi_train_utils import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    sizes = []
+
+    def run_collectives(state, store, env, device, backend, deadline, size_mb):
+        sizes.append(size_mb)
+        state.update(phase="done", low=1.0, high=1.0, seconds=0.01, bytes=int(size_mb * 2**20))
+
+    monkeypatch.setattr(doctor, "run_collectives", run_collectives)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    env = DistEnv(rank=0, world_size=1, launcher="env")
+    for device, flags, size in (("cuda", [], 64), ("cpu", [], 8), ("cuda", ["--size-mb", "3"], 3)):
+        port = free_port()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        server = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
+        store = doctor._Store(server, f"test/{device}/{size}/")
+        store.set("joined/0", node_facts(device=device))
+        args = doctor.get_args_parser().parse_args(["--timeout", "5", *flags])
+        assert doctor.check_collectives(args, env, torch.device(device), "gloo", store) == 0
+        assert sizes[-1] == size
+        assert f"in all {size:g} MiB" in capsys.readouterr().out
+        del server
+
+
+def test_doctor_bus_bandwidth_is_counted_as_nccl_tests_count_it():
+    """nccl-tests' all-reduce bus bandwidth: size / time x 2 (n - 1) / n. 128 MiB in 0.1 s is
+    1.342 GB/s of algorithm bandwidth: x 1 on 2 ranks, x 1.5 on 4."""
+    from multi_train_utils.doctor import _all_reduce_text
+
+    for world_size, expected in ((2, "1.34"), (4, "2.01")):
+        total = world_size * (world_size + 1) / 2
+        results = {r: {"phase": "done", "low": total, "high": total, "seconds": 0.1, "bytes": 2**27}
+                   for r in range(world_size)}
+        assert _all_reduce_text(results, world_size).endswith(f"5 runs of 100.0 ms, bus bandwidth {expected} GB/s")
+
+
+def test_doctor_report_names_each_gpu_with_its_uuid(tmp_path, monkeypatch):
+    """As nvidia-smi -L spells it: the name, then GPU-<uuid>."""
+    import types
+
+    from multi_train_utils import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        name="NVIDIA H200", uuid="5e6f7a8b-1111-2222-3333-444455556666"))
+    args = doctor.get_args_parser().parse_args(["--output-dir", str(tmp_path)])
+    env = DistEnv(rank=0, world_size=1, launcher="env")
+    facts = doctor.local_facts(args, env, torch.device("cuda:0"), "nccl")
+    assert facts["gpu"] == {"name": "NVIDIA H200", "uuid": "GPU-5e6f7a8b-1111-2222-3333-444455556666"}
+    report = doctor.format_report({0: facts}, {}, [], 1, "nccl", "127.0.0.1:29500", 20).splitlines()
+    assert (f"  rank 0: cuda:0 NVIDIA H200 GPU-5e6f7a8b-1111-2222-3333-444455556666 (local rank 0, pid {os.getpid()})"
+            in report)
+
+
+class DictStore:
+    """The doctor's store (_Store's set and get), in memory."""
+
+    def __init__(self, values=None):
+        self.values = dict(values or {})
+
+    def set(self, key, value):
+        self.values[key] = json.loads(json.dumps(value))
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_doctor_lowest_rank_that_joined_reports_when_rank_0_is_missing(monkeypatch, capsys):
+    from multi_train_utils import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    args = doctor.get_args_parser().parse_args([])
+    joined = {f"joined/{r}": node_facts(rank=r, local_rank=r, pid=1000 + r) for r in (1, 2)}
+    for rank, reports in ((1, True), (2, False)):
+        store = DictStore(joined)
+        assert doctor.report_missing(args, DistEnv(rank=rank, world_size=3, launcher="env"), "gloo", store, [0]) == 1
+        lines = capsys.readouterr().out.splitlines()
+        if reports:
+            assert lines, "rank 1, the lowest that joined, printed no report"
+            assert lines[0] == ("doctor: 2 of 3 ranks joined, on 1 node(s); backend gloo; store 10.0.0.1:29500; "
+                                "torch 2.14.1")
+            assert "problem: rank 0 never joined within 20 s (expected world size 3; joined: ranks 1-2)" in lines
+            assert lines[-1] == "1 problem found"
+        else:  # the report is rank 1's alone
+            assert lines == [] and "abort" not in store.values
+
+
+def test_doctor_exits_2_for_a_wrong_flag(capsys):
+    from multi_train_utils import doctor
+    from multi_train_utils.errors import run_cli
+
+    cases = [(["--bad-flag"], "error: unrecognized arguments: --bad-flag (see --help)\n"),
+             (["--timeout", "soon"], "error: argument --timeout: invalid float value: 'soon' (see --help)\n"),
+             (["--timeout", "0"], "error: --timeout 0.0: give a positive number of seconds\n")]
+    for argv, line in cases:
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(doctor.main, argv)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == line
+
+
+def test_doctor_finds_a_master_addr_that_does_not_resolve(monkeypatch):
+    """A rank other than 0 (rank 0 hosts the store); no name is looked up for real."""
+    import socket
+
+    from multi_train_utils import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    def unknown(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    def refused(*args, **kwargs):
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+
+    monkeypatch.setattr(doctor.socket, "getaddrinfo", unknown)
+    monkeypatch.setattr(doctor.socket, "create_connection", refused)
+    monkeypatch.setattr(doctor.socket, "gethostname", lambda: "node7")
+    monkeypatch.setenv("MASTER_ADDR", "gpu-head.cluster")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store, found = doctor.connect_store(DistEnv(rank=3, world_size=4, launcher="env"), timeout=0.5)
+    assert store is None
+    assert (found["kind"], found["what"]) == ("problem", "rank 3 on node node7: MASTER_ADDR=gpu-head.cluster is not "
+                                                         "a known host name here")
+    assert "MASTER_ADDR" in found["fix"]
+
+
+def test_doctor_finds_under_5_gb_free_in_the_output_dir(monkeypatch):
+    from multi_train_utils.doctor import disk_finding, node_findings
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    low = disk_finding("/runs/x", 4.9e9)
+    assert low is not None
+    assert (low["kind"], low["what"]) == ("problem", "only 4.9 GB free in /runs/x: checkpoints may not fit")
+    assert disk_finding("/runs/x", 5e9) is None and disk_finding("/runs/x", None) is None
+    assert node_findings(node_facts(disk_free=4.9e9), "gloo", 1) == [low]
+    assert node_findings(node_facts(disk_free=5e9), "gloo", 1) == []
+
+
+def test_doctor_hints_at_several_consumer_gpus_on_a_node(monkeypatch):
+    from multi_train_utils.doctor import exit_code, node_findings
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    geforce = {"name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-1"}
+    found = node_findings(node_facts(gpu=geforce, device="cuda:0"), "nccl", 2)
+    assert [(f["kind"], f["what"]) for f in found] == [
+        ("hint", "NVIDIA GeForce RTX 4090: consumer GPUs often hang NCCL's first all-reduce over P2P")]
+    assert "NCCL_P2P_DISABLE=1" in found[0]["fix"] and exit_code(found) == 0
+    assert node_findings(node_facts(gpu=geforce, device="cuda:0"), "nccl", 1) == []  # one GPU: no P2P
+    assert node_findings(node_facts(gpu={"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-2"}), "nccl", 8) == []
+
+
+def test_doctor_hints_at_a_slurm_job_without_kill_bad_exit(monkeypatch):
+    from multi_train_utils.doctor import node_findings
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_KILL_BAD_EXIT", raising=False)
+    found = node_findings(node_facts(), "gloo", 1)
+    assert [(f["kind"], f["what"]) for f in found] == [
+        ("hint", "SLURM: a task that fails leaves the others waiting for it until the time-out")]
+    assert "--kill-on-bad-exit=1" in found[0]["fix"]
+    monkeypatch.setenv("SLURM_KILL_BAD_EXIT", "1")
+    assert node_findings(node_facts(), "gloo", 1) == []
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_KILL_BAD_EXIT")
+    assert node_findings(node_facts(), "gloo", 1) == []  # not a SLURM job
+
+
+def test_doctor_hints_at_fewer_than_2_cpu_cores_per_process(monkeypatch):
+    from multi_train_utils.doctor import cores_finding, node_findings
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    one = cores_finding(1)
+    assert one is not None
+    assert (one["kind"], one["what"]) == ("hint", "1 CPU core per process: loader workers and the model share it "
+                                                  "(slow)")
+    assert cores_finding(2) is None
+    assert node_findings(node_facts(cores_per_process=1), "gloo", 8) == [one]
+    assert node_findings(node_facts(cores_per_process=2), "gloo", 4) == []
+
+
+# --- performance -------------------------------------------------------------------------------
+
+GRAD_CHECKPOINT_STAGES = {
+    "efficientnet_b0": [f"features.{i}" for i in range(9)],  # the stem, 7 stages of MBConv blocks, the head conv
+    "convnext_tiny": [f"features.{i}" for i in range(8)],  # the stem, then 4 stages with 3 downsamplings between
+    "regnet_y_400mf": [f"trunk_output.block{i}" for i in range(1, 5)],
+    "vit_b_16": [f"encoder.layers.encoder_layer_{i}" for i in range(12)],
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_CHECKPOINT_STAGES))
+def test_grad_checkpoint_finds_the_stages_of_efficientnet_convnext_regnet_and_vit(name):
+    """The stages each architecture is checkpointed in (named by hand from torchvision's
+    models); the recomputation itself, with the plain gradients and BatchNorm statistics, is
+    test_speed.py's test of ResNet, MobileNet and DenseNet. On the meta device where a
+    model can be built there: no weights, no forward pass."""
+    from model import create_model
+    from multi_train_utils.performance import enable_grad_checkpoint, model_stages
+
+    with torch.device("cpu" if name.startswith("regnet") else "meta"):  # RegNet computes its widths on tensors
+        model = create_model(name, 5)
+    keys = list(model.state_dict())
+    assert [stage for stage, _ in model_stages(model)] == GRAD_CHECKPOINT_STAGES[name]
+    assert enable_grad_checkpoint(model, name) == GRAD_CHECKPOINT_STAGES[name]
+    assert [type(model.get_submodule(stage)).__name__.startswith("Checkpointed")
+            for stage in GRAD_CHECKPOINT_STAGES[name]] == [True] * len(GRAD_CHECKPOINT_STAGES[name])
+    assert list(model.state_dict()) == keys  # checkpoints stay loadable anywhere
+
+
+def test_channels_last_is_on_for_convolutional_nets_only():
+    from multi_train_utils.performance import wants_channels_last
+
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 2))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [wants_channels_last(None, conv, d) for d in (cpu, cuda)] == [True, True]
+    assert [wants_channels_last(None, mlp, d) for d in (cpu, cuda)] == [False, False]
+    assert wants_channels_last(True, mlp, cpu) is True and wants_channels_last(False, conv, cpu) is False
+
+
+def test_training_images_keep_twice_the_crop_size(monkeypatch):
+    """Large JPEGs are decoded down to no less than 2 x --img-size for training (random crops
+    of a quarter of the image lose nothing), and to the resize size for validation."""
+    import types
+
+    import my_dataset
+
+    split = types.SimpleNamespace(train_images_path=["t.jpg"], train_images_label=[0], val_images_path=["v.jpg"],
+                                  val_images_label=[0], classes=["a"], skipped=[], skip_reasons={}, notes=[])
+    read = []
+
+    def read_image_uint8(path, keep_side=None):
+        read.append((path, keep_side))
+        return torch.zeros(3, 100, 100, dtype=torch.uint8)
+
+    monkeypatch.setattr(my_dataset, "read_image_uint8", read_image_uint8)
+    data = my_dataset.image_file_datasets(split, 32)
+    data.train[0], data.val[0]
+    assert read == [("t.jpg", 64), ("v.jpg", 37)]  # validation: round(32 x 256 / 224)
+    assert my_dataset.image_file_datasets(split, 96).train.keep_side == 192
+
+
+def test_pin_memory_on_cuda_only():
+    from torch.utils.data import BatchSampler
+
+    from utils import make_loaders
+
+    data = list(range(4))
+    sampler = BatchSampler(range(4), 2, drop_last=False)
+    for device, pinned in (("cpu", False), ("cuda", True), ("mps", False)):
+        loaders = make_loaders(data, sampler, data, sampler, 0, torch.device(device))
+        assert [loader.pin_memory for loader in loaders] == [pinned, pinned], device
+
+
+def test_benchmark_writes_runs_benchmark_json_by_default():
+    import benchmark
+
+    assert benchmark.get_args_parser().parse_args([]).json == "runs/benchmark.json"
+    assert benchmark.get_args_parser().parse_args(["--quick"]).json == "runs/benchmark.json"
+
+
+# --- layout ------------------------------------------------------------------------------------
+
+def product_files():
+    """The project's own Python files (tests and docs left out)."""
+    from conftest import REPO
+
+    files = [os.path.join(REPO, name) for name in sorted(os.listdir(REPO)) if name.endswith(".py")]
+    package = os.path.join(REPO, "multi_train_utils")
+    return files + [os.path.join(package, name) for name in sorted(os.listdir(package)) if name.endswith(".py")]
+
+
+def test_train_multi_gpu_numbers_its_distributed_steps_1_to_8_in_run_order():
+    """The README's eight steps, each numbered comment followed by the call it names, in order."""
+    import re
+
+    from conftest import REPO
+
+    with open(os.path.join(REPO, "train_multi_gpu.py")) as f:
+        lines = f.read().splitlines()
+    steps = [(int(m.group(1)), i) for i, line in enumerate(lines) for m in [re.search(r"# (\d)\. ", line)] if m]
+    assert [number for number, _ in steps] == list(range(1, 9)), steps
+    calls = ["init_distributed_mode(", "make_train_sampler(", "convert_sync_batchnorm(", "DDP(", ".set_epoch(",
+             "train_one_epoch(", "recorder.end_epoch(", "cleanup("]
+    ends = [line for _, line in steps[1:]] + [len(lines)]
+    for (number, start), end, call in zip(steps, ends, calls):
+        assert any(call in line.split("#")[0] for line in lines[start:end]), (number, call)
+
+
+def test_run_files_is_the_one_module_that_names_args_json_class_indices_json_and_metrics_csv():
+    """Those three names as plain strings (in messages they may appear) only in run_files.py,
+    so every reader and writer goes through it."""
+    import ast
+
+    names = {"args.json", "class_indices.json", "metrics.csv"}
+    found = []
+    for path in product_files():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        in_messages = {id(node) for joined in ast.walk(tree) if isinstance(joined, ast.JoinedStr)
+                       for node in ast.walk(joined)}
+        found += [(os.path.relpath(path, os.path.dirname(product_files()[0])), node.lineno, node.value)
+                  for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names
+                  and id(node) not in in_messages]
+    assert sorted((path, name) for path, _, name in found) == [("multi_train_utils/run_files.py", "args.json"),
+                                                               ("multi_train_utils/run_files.py", "class_indices.json"),
+                                                               ("multi_train_utils/run_files.py", "metrics.csv")], found
+
+
+def test_ci_installs_then_runs_the_readmes_test_command():
+    from conftest import REPO
+
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        commands = [line.strip() for line in f if line.strip() and not line.strip().startswith("#")]
+    assert commands[-1] == "python3 -m pytest -q tests"  # README: python -m pytest -q tests
+    installs = [i for i, command in enumerate(commands) if "pip install" in command and "-r requirements.txt" in command]
+    assert installs and installs[0] < len(commands) - 1
+
+
+# --- stopping ----------------------------------------------------------------------------------
+
+def test_a_process_stuck_after_a_stop_signal_is_ended_by_the_watchdog(monkeypatch, capfd):
+    """The main thread never finishes unwinding (as one blocked in a collective): the watchdog
+    prints the hint and ends the process with 128 + the signal, grace_seconds after the
+    signal (3 s by default; 0.3 s here, with os._exit recorded instead of run)."""
+    import inspect
+    import signal
+    import threading
+    import time
+
+    from multi_train_utils import signals
+
+    assert inspect.signature(signals.install_stop_handlers).parameters["grace_seconds"].default == 3.0
+    ended, done = [], threading.Event()
+
+    def exit_(code):
+        ended.append((code, time.monotonic()))
+        done.set()
+
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    saved_fd = signal.set_wakeup_fd(-1)
+    monkeypatch.setattr(signals.os, "_exit", exit_)
+    try:
+        for s in signals.STOP_SIGNALS:  # not ignored, also when pytest runs in the background
+            signal.signal(s, signal.default_int_handler)
+        signals.install_stop_handlers("to continue, run it again", grace_seconds=0.3)
+        sent = time.monotonic()
+        with pytest.raises(signals.TrainingInterrupted) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert done.wait(3), "the watchdog did not end the process"
+    finally:
+        signal.set_wakeup_fd(saved_fd)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert stop.value.signum == signal.SIGINT
+    (code, at), = ended
+    assert code == 130 and 0.3 <= at - sent < 1.5, (code, at - sent)
+    assert capfd.readouterr().err == "\ninterrupted by SIGINT: to continue, run it again\n"
+
+
+@pytest.mark.skipif(not os.uname().sysname == "Linux", reason="the parent-death signal is Linux's")
+def test_spawned_workers_die_with_their_launcher(monkeypatch):
+    """Each --spawn process asks the kernel for SIGKILL when its launcher dies, before it runs
+    anything (a forked child shows what die_with_launcher leaves set)."""
+    import ctypes
+    import signal
+
+    from multi_train_utils import distributed_utils, signals
+
+    calls = []
+    monkeypatch.setattr(distributed_utils, "die_with_launcher", lambda: calls.append("die_with_launcher"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # set here, so that monkeypatch puts them back
+
+    def main(argv):
+        calls.append(("main", argv, os.environ["RANK"]))
+
+    distributed_utils._run_local_rank(1, main, 2, 29999, ["--epochs", "1"])
+    assert calls == ["die_with_launcher", ("main", ["--epochs", "1"], "1")]
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no torch work
+        try:
+            signals.die_with_launcher()
+            value = ctypes.c_int(-1)
+            ctypes.CDLL(None).prctl(2, ctypes.byref(value))  # PR_GET_PDEATHSIG
+            os.write(write_fd, str(value.value).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    got = os.read(read_fd, 16)
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    assert int(got) == signal.SIGKILL

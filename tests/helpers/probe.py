@@ -3,7 +3,8 @@
     python tests/helpers/probe.py single|multi [script flags...]
 
 Environment:
-  PROBE_OUT       prefix of the JSON file each rank writes (PREFIX.rank{R}.json): the
+  PROBE_OUT       prefix of the JSON file each rank writes (PREFIX.rank{R}.json): its exit code
+                  (exit_code: run_cli's, or the stop watchdog's os._exit; none if killed), the
                   parameter checksum before and after the DDP wrap, the sample indices
                   this rank trains on in each epoch, the dtype and memory format of the
                   first convolution's output in training, the checksum of the buffers
@@ -203,9 +204,30 @@ def counted_loss_forward(self, x, y):
 
 nn.CrossEntropyLoss.forward = counted_loss_forward
 
-try:
-    run_cli(target.main, sys.argv[2:])
-finally:
-    if os.environ.get("PROBE_OUT"):
+main_pid, real_exit = os.getpid(), os._exit
+
+
+def write_record():
+    if os.environ.get("PROBE_OUT") and os.getpid() == main_pid:  # not from a forked loader worker
         with open(f"{os.environ['PROBE_OUT']}.rank{rank}.json", "w") as f:
             json.dump(record, f)
+
+
+def exit_recorded(code):
+    """os._exit (the stop watchdog's way out) with the exit code recorded first."""
+    if os.getpid() == main_pid:
+        record["exit_code"] = code
+        write_record()
+    real_exit(code)
+
+
+os._exit = exit_recorded
+
+try:
+    run_cli(target.main, sys.argv[2:])
+    record["exit_code"] = 0
+except SystemExit as e:  # run_cli's exit code: 2 for bad input, 128 + N for signal N, ...
+    record["exit_code"] = e.code
+    raise
+finally:
+    write_record()
