@@ -92,7 +92,7 @@ def kill_tree(pid):
 class Prestarted:
     """The session's prestarted Python (tests/helpers/prestarted.py), started at first use: a
     script run forks from it instead of paying torch's import again. TESTS_FRESH_PROCESSES=1
-    starts every script as a new interpreter instead (the same results, slower)."""
+    starts every script as a new interpreter instead (slower)."""
 
     def __init__(self):
         self.server, self.folder, self.count = None, None, 0
