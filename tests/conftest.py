@@ -89,6 +89,11 @@ def kill_tree(pid):
             pass
 
 
+# A time-out guards a hang only: the longest run (the 3-epoch demo) takes ~30 s on an idle
+# 2-core machine and ~110 s beside two busy loops.
+RUN_TIMEOUT = 600
+
+
 class Prestarted:
     """The session's prestarted Python (tests/helpers/prestarted.py), started at first use: a
     script run forks from it instead of paying torch's import again. TESTS_FRESH_PROCESSES=1
@@ -201,7 +206,7 @@ class ScriptProcess:
         return code, stdout, stderr, timed_out
 
 
-def run_ranks(world_size, cmd, timeout=180, env=None, cwd=REPO):
+def run_ranks(world_size, cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
     """Run ``python SCRIPT.py ...`` as ``world_size`` processes of one job, each told its
     rank by the variables srun and torchrun set (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT): DDP for real over gloo, as srun launches
@@ -222,7 +227,7 @@ def run_ranks(world_size, cmd, timeout=180, env=None, cwd=REPO):
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
-def run(cmd, timeout=180, env=None, cwd=REPO):
+def run(cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
     """Run a command to completion; return the CompletedProcess (stdout and stderr as text).
     On a time-out the whole process tree is killed, so no worker is left behind.
     ``python SCRIPT.py ...`` forks from the prestarted Python (see Prestarted)."""

@@ -293,7 +293,7 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     data = tmp_path / "data"
     result = run([PYTHON, os.path.join(REPO, "benchmark.py"), "--quick", "--json", str(out),
                   "--data-path", str(make_benchmark_data(data)), "--max-processes", "2", "--img-size", "32"],
-                 timeout=300)
+                 timeout=900)  # ~45 s idle, ~150 s beside two busy loops
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     results = report["results"]
