@@ -81,15 +81,13 @@ def lock_output_dir(output_dir):
         fd = _open_lock_file(output_dir, path)
         names_before = [name for name in _listing(output_dir) or [] if name != LOCK_FILE]
         if fcntl is None:
-            print(f"warning: {path}: cannot lock files on this system; make sure no other run writes into "
-                  f"{output_dir}", file=sys.stderr, flush=True)
+            _warn_no_locks(path, output_dir, "cannot lock files on this system")
             return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in _NO_LOCKS:
-                print(f"warning: {path}: this file system does not lock files ({e.strerror}); make sure no other "
-                      f"run writes into {output_dir}", file=sys.stderr, flush=True)
+                _warn_no_locks(path, output_dir, f"this file system does not lock files ({e.strerror})")
                 return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
             holder = _read_holder(fd)
             os.close(fd)
@@ -102,6 +100,10 @@ def lock_output_dir(output_dir):
             return RunLock(fd, path, made_folder, made_file, names_before)
         os.close(fd)
     raise UserError(f"--output-dir {output_dir}: {LOCK_FILE} keeps being replaced; is another run starting there?")
+
+
+def _warn_no_locks(path, output_dir, why):
+    print(f"warning: {path}: {why}; make sure no other run writes into {output_dir}", file=sys.stderr, flush=True)
 
 
 def _open_lock_file(output_dir, path):
