@@ -138,8 +138,8 @@ def case_boolean_flag_given_a_value(tmp, data):
 
 
 def case_torchvision_weights_offline(tmp, data):
-    return ["--data-path", data["train"], "--weights", "IMAGENET1K_V1"], ["--weights IMAGENET1K_V1: could not download",
-                                                                          "resnet18-", "pass its path"]
+    return (["--data-path", data["train"], "--model", "resnet18", "--weights", "IMAGENET1K_V1"],
+            ["--weights IMAGENET1K_V1: could not download", "resnet18-", "pass its path"])
 
 
 def case_demo_over_real_data(tmp, data):

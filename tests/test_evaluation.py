@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from conftest import PYTHON, assert_exact_accuracy, read_metrics, run, run_ranks, script, top1_line
+from conftest import MODEL, PYTHON, assert_exact_accuracy, read_metrics, run, run_ranks, script, top1_line
 
 
 def snapshot(folder):
@@ -56,7 +56,7 @@ def buffer_checksum(weights):
     """Sum of |x| over the floating-point buffers (BatchNorm statistics) of a saved model."""
     from model import create_model
 
-    model = create_model("resnet18", 5)
+    model = create_model(MODEL, 5)
     model.load_state_dict(torch.load(weights, weights_only=True))
     return float(sum(b.double().abs().sum() for b in model.buffers() if b.is_floating_point()))
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import PYTHON, run, script, train_args
+from conftest import MODEL, PYTHON, run, script, train_args
 from multi_train_utils import checkpoint as ckpt
 from multi_train_utils.errors import ResourceError, UserError, run_cli
 
@@ -315,7 +315,7 @@ def test_a_batch_of_one_at_32_px_stops_before_anything_is_written(tiny_data, tmp
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: --batch-size 1 at --img-size 32: in training, "
-                                                              "resnet18's normalisation layers would see")
+                                                              f"{MODEL}'s normalisation layers would see")
     assert not out.exists() and not (tmp_path / "out-tb").exists()
 
 

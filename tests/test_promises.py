@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import FAST, PROBE, PYTHON, probe_records, read_metrics, run, run_ranks, script, train_args
+from conftest import FAST, MODEL, PROBE, PYTHON, probe_records, read_metrics, run, run_ranks, script, train_args
 
 # --- 12 classes: every index keeps its own name in predict.py, export.py and --eval-only ----------
 
@@ -38,10 +38,10 @@ def write_twelve_class_folder(root):
 
 
 def crafted_weights(num_classes, ranking):
-    """A resnet18 state dict whose logits rank the classes as ``ranking`` for every image."""
-    from torchvision.models import resnet18
+    """A state dict of the tests' model whose logits rank the classes as ``ranking`` for every image."""
+    import torchvision
 
-    model = resnet18(num_classes=num_classes)
+    model = torchvision.models.get_model(MODEL, num_classes=num_classes)
     with torch.no_grad():
         model.fc.weight.zero_()
         for place, index in enumerate(ranking):
@@ -114,7 +114,7 @@ def test_export_keeps_the_twelve_logits_in_index_order(twelve_class_run, tmp_pat
     result = run([PYTHON, script("export.py"), "--weights", str(twelve_class_run["out"] / "crafted.pth"),
                   "--format", "torchscript", "--output", str(output)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "(torchscript, resnet18, 12 classes, input (N, 3, 32, 32)" in result.stdout
+    assert f"(torchscript, {MODEL}, 12 classes, input (N, 3, 32, 32)" in result.stdout
     logits = torch.jit.load(str(output))(torch.randn(2, 3, 32, 32))
     assert logits.shape == (2, 12)
     assert logits[0].argsort(descending=True).tolist() == RANKING
@@ -207,7 +207,7 @@ def test_both_scripts_build_the_same_recipe_from_the_same_flags(tiny_data, seede
 def hand_computed_val_loss(weights, tiny_data, img_size=32):
     """Mean cross-entropy of ``weights`` over the 7 validation images, one image at a time,
     normalised by hand with ImageNet's mean and std."""
-    from torchvision.models import resnet18
+    import torchvision
 
     from my_dataset import MyDataSet
     from multi_train_utils.images import build_transforms
@@ -216,7 +216,7 @@ def hand_computed_val_loss(weights, tiny_data, img_size=32):
     split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
     _, val_transform = build_transforms(img_size)
     dataset = MyDataSet(split.val_images_path, split.val_images_label, transform=val_transform)
-    model = resnet18(num_classes=5)
+    model = torchvision.models.get_model(MODEL, num_classes=5)
     model.load_state_dict(torch.load(weights, weights_only=True))
     model.eval()
     mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)

@@ -13,7 +13,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import CORES, PYTHON, REPO, cpuinfo_lists_bf16, run
+from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, run
 from model import create_model, plain_state_dict
 from multi_train_utils import performance
 from multi_train_utils.errors import RankError, UserError
@@ -292,7 +292,7 @@ def test_benchmark_quick_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     data = tmp_path / "data"
     result = run([PYTHON, os.path.join(REPO, "benchmark.py"), "--quick", "--json", str(out),
-                  "--data-path", str(make_benchmark_data(data)), "--max-processes", "2", "--img-size", "32"],
+                  "--data-path", str(make_benchmark_data(data)), "--max-processes", "2", "--img-size", "32", "--model", MODEL],
                  timeout=900)  # ~45 s idle, ~150 s beside two busy loops
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
@@ -308,7 +308,7 @@ def test_benchmark_quick_writes_every_row(tmp_path):
 
     # --quick: batch 8, --steps 3 (the baseline's step row: max(2, 3 // 2)); 90 training images
     batch, train_images = 8, len(DEMO_CLASSES) * (PER_CLASS - round(PER_CLASS * VAL_RATE))
-    assert report["settings"]["model"] == "resnet18" and report["settings"]["images"] == train_images == 90
+    assert report["settings"]["model"] == MODEL and report["settings"]["images"] == train_images == 90
     assert report["settings"]["warmup_steps_left_out"] == WARMUP
 
     def timed(steps, processes=1):  # steps of each process; images of all

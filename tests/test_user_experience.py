@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import CLASSES, PYTHON, REPO, read_metrics, run, script, write_class_folder
+from conftest import CLASSES, MODEL, PYTHON, REPO, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import download_flower_photos
 from multi_train_utils.pictures import plot_class_distribution, save_figure
@@ -113,7 +113,7 @@ def test_train_log_and_summaries(single_run):
         log = f.read()
     assert "\r" not in log
     stdout = single_run["result"].stdout
-    for text in ("world size: 1 (single process", "split: 36 train, 7 val images", "model: resnet18",
+    for text in ("world size: 1 (single process", "split: 36 train, 7 val images", f"model: {MODEL}",
                  "batch: 4 per process x 1 accumulation steps x 1 processes = 4 per optimizer step",
                  "[epoch 1] train_loss", "best val accuracy:", "best weights: ", "plots: ",
                  "tensorboard --logdir"):
@@ -302,7 +302,7 @@ def exported_matches_eager(single_run, tmp_path, fmt, load):
     result = run([PYTHON, script("export.py"), "--weights", weights, "--format", fmt, "--output", str(output)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "max difference to the eager model" in result.stdout
-    model = create_model("resnet18", 5)
+    model = create_model(MODEL, 5)
     model.load_state_dict(torch.load(weights, weights_only=True))
     model.eval()
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))

@@ -4,7 +4,7 @@ import shutil
 
 import torch
 
-from conftest import PYTHON, assert_run_outputs, run, script, train_args
+from conftest import MODEL, PYTHON, assert_run_outputs, run, script, train_args
 
 
 def test_imagenet_style_weights_load_except_the_head_and_freeze(tiny_data, tmp_path):
@@ -12,7 +12,7 @@ def test_imagenet_style_weights_load_except_the_head_and_freeze(tiny_data, tmp_p
     all but fc loads; with --freeze-layers only fc trains and BatchNorm statistics stay put."""
     from model import create_model
 
-    pretrained = create_model("resnet18", 1000)
+    pretrained = create_model(MODEL, 1000)
     with torch.no_grad():
         for p in pretrained.parameters():
             p.mul_(0.5)  # anything but the random init the run would draw
@@ -28,14 +28,15 @@ def test_imagenet_style_weights_load_except_the_head_and_freeze(tiny_data, tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     assert "skipped ['module.fc.bias', 'module.fc.weight']" not in result.stdout  # prefixes are stripped
     assert "skipped ['fc.bias', 'fc.weight']" in result.stdout
-    assert "freeze-layers: training only 'fc' (2,565 parameters)" in result.stdout
+    head = pretrained.fc.in_features * 5 + 5  # the 5-class head's weights and biases
+    assert f"freeze-layers: training only 'fc' ({head:,} parameters)" in result.stdout
     trained = torch.load(out / "model-0.pth", weights_only=True)
     for key, value in pretrained.state_dict().items():
         if key.startswith("fc."):
             assert trained[key].shape[0] == 5
         elif not key.endswith("num_batches_tracked"):
             torch.testing.assert_close(trained[key], value, rtol=0, atol=0, msg=key)
-    fresh = create_model("resnet18", 5)
+    fresh = create_model(MODEL, 5)
     assert not torch.equal(trained["fc.weight"], fresh.fc.weight)
 
 
