@@ -134,3 +134,22 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     assert "Traceback" not in result.stdout
     assert [r["steps"] for r in probe_records(tmp_path / "probe", 2)] == [3, 3]
     assert not os.path.exists(out / "model-0.pth")
+
+
+
+def test_nan_on_both_ranks_at_different_steps_names_the_earliest(tiny_data, tmp_path):
+    """Rank 0's loss becomes NaN at its step 2, rank 1's at its step 1, both before the check
+    after step 2 (--print-freq 3): the one message names step 1, the first step at which any
+    rank's loss was non-finite, not the step rank 0 saw; both ranks stop at that check."""
+    out = tmp_path / "out"
+    result = run_ranks(2, [PYTHON, PROBE, "multi",
+                           *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
+                                       "--dist-timeout", "20")],
+                       env={"PROBE_NAN_RANK": "0,1", "PROBE_NAN_STEP": "2,1", "PROBE_OUT": str(tmp_path / "probe")},
+                       timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == ["error: training loss became nan at epoch 0, step 1; lower --lr, add --warmup-epochs or "
+                      "--clip-grad, or check the data"], result.stderr
+    assert [r["steps"] for r in probe_records(tmp_path / "probe", 2)] == [3, 3]
+    assert not os.path.exists(out / "model-0.pth")

@@ -20,7 +20,8 @@ Environment:
   PROBE_SKEW_BN   "1": ranks other than 0 reset their BatchNorm statistics after each
                   training epoch (what evaluation must not see)
   PROBE_NAN_RANK  R: the loss value of rank R becomes NaN at its step PROBE_NAN_STEP
-                  (default 0); its gradients stay finite, so nothing reaches other ranks
+                  (default 0); its gradients stay finite, so nothing reaches other ranks.
+                  Lists ("0,1" and "2,1") give each of those ranks its own step
   PROBE_RAISE_RANK R: rank R raises an exception at its first training step
   PROBE_HANG_RANK R: rank R stops responding at its first training step
   PROBE_STUCK_DESTROY "1": destroying the process group never returns (as NCCL's can when a
@@ -188,7 +189,9 @@ if float(os.environ.get("PROBE_STEP_SLEEP", "0")) > 0:
     nn.CrossEntropyLoss.forward = slow_forward
 
 real_loss_forward = nn.CrossEntropyLoss.forward
-nan_step = int(os.environ.get("PROBE_NAN_STEP", "0")) if os.environ.get("PROBE_NAN_RANK") == str(rank) else None
+nan_ranks = os.environ.get("PROBE_NAN_RANK", "").split(",")
+nan_steps = os.environ.get("PROBE_NAN_STEP", "0").split(",")
+nan_step = int(nan_steps[nan_ranks.index(str(rank)) % len(nan_steps)]) if str(rank) in nan_ranks else None
 
 
 def counted_loss_forward(self, x, y):
