@@ -1,4 +1,4 @@
-"""python -m multi_train_utils.doctor: under torchrun 2 x CPU it reports both ranks, a checked
+"""python -m tools.doctor: under torchrun 2 x CPU it reports both ranks, a checked
 all-reduce and a barrier, and finds a planted problem with its fix; a rank that never joins,
 a rank 0 that cannot be reached and a port in use are named within the time-out; and the
 pure checks (interface names in NCCL's syntax, /dev/shm, the all-reduce value) one by one."""
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import PYTHON, TORCHRUN, free_port, run
 
-DOCTOR = ["-m", "multi_train_utils.doctor", "--device", "cpu"]
+DOCTOR = ["-m", "tools.doctor", "--device", "cpu"]
 INTERFACES = [name for _, name in socket.if_nameindex()]
 HOST = socket.gethostname()
 
@@ -35,7 +35,7 @@ def assert_verdict(stdout, returncode):
 
 @pytest.fixture(scope="module")
 def torchrun_doctor(tmp_path_factory):
-    """torchrun --nproc_per_node=2 -m multi_train_utils.doctor --device cpu, with a planted
+    """torchrun --nproc_per_node=2 -m tools.doctor --device cpu, with a planted
     problem: NCCL_SOCKET_IFNAME names an interface no node has (gloo does not read it)."""
     out = tmp_path_factory.mktemp("doctor") / "not-yet"
     result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), *DOCTOR,
@@ -112,7 +112,7 @@ def master_at(monkeypatch):
 
 def test_a_rank_that_cannot_reach_rank_0_says_so(master_at):
     from multi_train_utils.distributed_utils import DistEnv
-    from multi_train_utils.doctor import connect_store
+    from tools.doctor import connect_store
 
     port = free_port()
     master_at(port)
@@ -127,7 +127,7 @@ def test_a_rank_that_cannot_reach_rank_0_says_so(master_at):
 
 def test_a_master_port_in_use_is_named_with_the_fix(master_at):
     from multi_train_utils.distributed_utils import DistEnv
-    from multi_train_utils.doctor import connect_store
+    from tools.doctor import connect_store
 
     with socket.socket() as busy:
         busy.bind(("", 0))
@@ -157,7 +157,7 @@ def test_spawn_with_a_wrong_gloo_interface_names_it_and_the_failed_start(tmp_pat
 
 
 def test_nccl_interface_names_follow_nccls_syntax():
-    from multi_train_utils.doctor import interface_finding, nccl_selected_interfaces
+    from tools.doctor import interface_finding, nccl_selected_interfaces
 
     have = ["lo", "docker0", "eth0", "eth1", "ib0"]
     assert nccl_selected_interfaces("eth", have) == ["eth0", "eth1"]  # a prefix
@@ -175,7 +175,7 @@ def test_nccl_interface_names_follow_nccls_syntax():
 
 
 def test_node_checks_flag_a_small_shm_and_a_wrong_sum():
-    from multi_train_utils.doctor import all_reduce_finding, consumer_gpu, format_findings, shm_finding
+    from tools.doctor import all_reduce_finding, consumer_gpu, format_findings, shm_finding
 
     small = shm_finding(64 * 2**20)  # Docker's default
     assert small is not None and "64 MiB" in small["what"] and "--shm-size" in small["fix"] and small["kind"] == "problem"
@@ -193,7 +193,7 @@ def test_node_checks_flag_a_small_shm_and_a_wrong_sum():
 def test_findings_across_ranks_one_gpu_twice_a_hang_a_silent_rank():
     """What only the collected facts and results show: two ranks on one GPU under NCCL, a hang
     named by its step with NCCL's fixes, the same error of many ranks once, a rank without result."""
-    from multi_train_utils.doctor import exit_code, job_findings
+    from tools.doctor import exit_code, job_findings
 
     def facts(uuid, version="2.5.0"):
         return {"gpu": {"name": "NVIDIA GeForce RTX 4090", "uuid": uuid}, "torch": version}

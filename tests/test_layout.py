@@ -1,6 +1,6 @@
 """The shape of the code, read with ``ast``: imports go one way, without circles.
 
-Entry scripts -> the recipe's steps (multi_train_utils/) -> model.py, my_dataset.py, utils.py
+Entry scripts and the side programs (tools/) -> the recipe's steps (multi_train_utils/) -> model.py, my_dataset.py, utils.py
 -> base modules (errors, file writing, the image pipeline and files, signals, train.log). A module may
 import from its own layer or the ones below, never above; no project import hides inside a
 function; every module opens with a one-line docstring; utils.py stays small; and the two
@@ -24,16 +24,17 @@ def project_modules():
     for name in os.listdir(REPO):
         if name.endswith(".py"):
             modules[name[:-3]] = os.path.join(REPO, name)
-    package = os.path.join(REPO, "multi_train_utils")
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            module = "multi_train_utils" if name == "__init__.py" else f"multi_train_utils.{name[:-3]}"
-            modules[module] = os.path.join(package, name)
+    for package_name in ("multi_train_utils", "tools"):
+        package = os.path.join(REPO, package_name)
+        for name in os.listdir(package):
+            if name.endswith(".py"):
+                module = package_name if name == "__init__.py" else f"{package_name}.{name[:-3]}"
+                modules[module] = os.path.join(package, name)
     return modules
 
 
 def layer_of(module):
-    if module in ENTRY_SCRIPTS:
+    if module in ENTRY_SCRIPTS or module.split(".")[0] == "tools":  # programs of their own
         return ENTRY
     if module in SHARED:
         return SHARED_LAYER

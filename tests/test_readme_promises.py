@@ -1187,7 +1187,7 @@ def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys
     import torch.distributed as dist
 
     from conftest import free_port
-    from multi_train_utils import doctor
+    from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
     sizes = []
@@ -1216,7 +1216,7 @@ def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys
 def test_doctor_bus_bandwidth_is_counted_as_nccl_tests_count_it():
     """nccl-tests' all-reduce bus bandwidth: size / time x 2 (n - 1) / n. 128 MiB in 0.1 s is
     1.342 GB/s of algorithm bandwidth: x 1 on 2 ranks, x 1.5 on 4."""
-    from multi_train_utils.doctor import _all_reduce_text
+    from tools.doctor import _all_reduce_text
 
     for world_size, expected in ((2, "1.34"), (4, "2.01")):
         total = world_size * (world_size + 1) / 2
@@ -1229,7 +1229,7 @@ def test_doctor_report_names_each_gpu_with_its_uuid(tmp_path, monkeypatch):
     """As nvidia-smi -L spells it: the name, then GPU-<uuid>."""
     import types
 
-    from multi_train_utils import doctor
+    from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
@@ -1257,7 +1257,7 @@ class DictStore:
 
 
 def test_doctor_lowest_rank_that_joined_reports_when_rank_0_is_missing(monkeypatch, capsys):
-    from multi_train_utils import doctor
+    from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
@@ -1280,7 +1280,7 @@ def test_doctor_lowest_rank_that_joined_reports_when_rank_0_is_missing(monkeypat
 
 
 def test_doctor_exits_2_for_a_wrong_flag(capsys):
-    from multi_train_utils import doctor
+    from tools import doctor
     from multi_train_utils.errors import run_cli
 
     cases = [(["--bad-flag"], "error: unrecognized arguments: --bad-flag (see --help)\n"),
@@ -1297,7 +1297,7 @@ def test_doctor_finds_a_master_addr_that_does_not_resolve(monkeypatch):
     """A rank other than 0 (rank 0 hosts the store); no name is looked up for real."""
     import socket
 
-    from multi_train_utils import doctor
+    from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
     def unknown(host, *args, **kwargs):
@@ -1320,7 +1320,7 @@ def test_doctor_finds_a_master_addr_that_does_not_resolve(monkeypatch):
 
 
 def test_doctor_finds_under_5_gb_free_in_the_output_dir(monkeypatch):
-    from multi_train_utils.doctor import disk_finding, node_findings
+    from tools.doctor import disk_finding, node_findings
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     low = disk_finding("/runs/x", 4.9e9)
@@ -1332,7 +1332,7 @@ def test_doctor_finds_under_5_gb_free_in_the_output_dir(monkeypatch):
 
 
 def test_doctor_hints_at_several_consumer_gpus_on_a_node(monkeypatch):
-    from multi_train_utils.doctor import exit_code, node_findings
+    from tools.doctor import exit_code, node_findings
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     geforce = {"name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-1"}
@@ -1345,7 +1345,7 @@ def test_doctor_hints_at_several_consumer_gpus_on_a_node(monkeypatch):
 
 
 def test_doctor_hints_at_a_slurm_job_without_kill_bad_exit(monkeypatch):
-    from multi_train_utils.doctor import node_findings
+    from tools.doctor import node_findings
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.delenv("SLURM_KILL_BAD_EXIT", raising=False)
@@ -1361,7 +1361,7 @@ def test_doctor_hints_at_a_slurm_job_without_kill_bad_exit(monkeypatch):
 
 
 def test_doctor_hints_at_fewer_than_2_cpu_cores_per_process(monkeypatch):
-    from multi_train_utils.doctor import cores_finding, node_findings
+    from tools.doctor import cores_finding, node_findings
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     one = cores_finding(1)

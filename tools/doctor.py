@@ -2,11 +2,11 @@
 
 Run it under the launcher that runs training, with the same variables:
 
-    torchrun --nproc_per_node=N -m multi_train_utils.doctor
+    torchrun --nproc_per_node=N -m tools.doctor
     torchrun --nnodes=2 --node_rank=R --nproc_per_node=N --master_addr=HOST0 --master_port=29500 \\
-        -m multi_train_utils.doctor                     # on every node
-    srun --ntasks-per-node=N python -m multi_train_utils.doctor
-    python -m multi_train_utils.doctor --spawn N        # N local processes, no launcher
+        -m tools.doctor                  # on every node
+    srun --ntasks-per-node=N python -m tools.doctor
+    python -m tools.doctor --spawn N     # N local processes, no launcher
 
 Every rank joins through the key-value store at MASTER_ADDR:MASTER_PORT within --timeout
 (a rank that does not is named), then the ranks start a process group, run an all-reduce
@@ -55,7 +55,7 @@ STEP_FIXES = {
 
 def get_args_parser():
     """The doctor's flags."""
-    parser = OneLineErrorParser(prog="python -m multi_train_utils.doctor",
+    parser = OneLineErrorParser(prog="python -m tools.doctor",
                              description="Preflight check of a distributed job: run it under the launcher that runs "
                                          "training (torchrun, srun, --spawn N) to find why a job would hang.",
                              formatter_class=HelpFormatter)

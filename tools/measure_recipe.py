@@ -8,8 +8,8 @@ set itself), per seed, their mean and min-max spread, and the mean's difference 
 dataset's baseline. A difference is flagged "beyond spread" only when the seed ranges do not
 overlap. Runs whose flag does not exist (yet) fail and show "-".
 
-    python docs/measure_recipe.py                      # the whole grid: 42 runs, ~27 min on 2 idle cores
-    python docs/measure_recipe.py --only baseline --seeds 0
+    python tools/measure_recipe.py                      # the whole grid: 42 runs, ~27 min on 2 idle cores
+    python tools/measure_recipe.py --only baseline --seeds 0
 
 Calibration (2-core AMD EPYC, today's code): ResNet-18 at 32 px trains at ~85 img/s on one
 thread; two 1-thread runs side by side beat one 2-thread run. 4 epochs, batch 64, SGD lr 0.01:
