@@ -116,16 +116,16 @@ def test_accumulation_over_two_ranks_equals_one_rank_batch_4(equivalence_runs):
         assert accum_rank["gradient_syncs"] == plain_rank["gradient_syncs"] > 0
 
 
-def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
-    """Rank 1's loss value becomes NaN at its step 1 while its gradients stay finite, so the
-    NaN cannot reach rank 0 through the gradient all-reduce: only a check over all ranks
-    sees it. Both ranks stop at the same step, the next loss check (--print-freq 3: after
-    step 2), with one message naming step 1; nothing of the epoch is saved."""
+def assert_nan_stops_both_ranks_naming_step_1(tiny_data, tmp_path, nan_ranks, nan_steps):
+    """Two ranks whose loss values become NaN (gradients finite) on ``nan_ranks`` at their
+    ``nan_steps``; the loss is checked every 3 steps. Both ranks stop at the first check
+    (after step 2) with one message, which names step 1; nothing of the epoch is saved."""
     out = tmp_path / "out"
     result = run_ranks(2, [PYTHON, PROBE, "multi",
                            *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
                                        "--dist-timeout", "20")],  # a rank left waiting fails in seconds, not hours
-                       env={"PROBE_NAN_RANK": "1", "PROBE_NAN_STEP": "1", "PROBE_OUT": str(tmp_path / "probe")},
+                       env={"PROBE_NAN_RANK": nan_ranks, "PROBE_NAN_STEP": nan_steps,
+                            "PROBE_OUT": str(tmp_path / "probe")},
                        timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -136,20 +136,16 @@ def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
     assert not os.path.exists(out / "model-0.pth")
 
 
+def test_nan_on_one_rank_stops_every_rank_at_the_same_step(tiny_data, tmp_path):
+    """Rank 1's loss value becomes NaN at its step 1 while its gradients stay finite, so the
+    NaN cannot reach rank 0 through the gradient all-reduce: only a check over all ranks
+    sees it. Both ranks stop at the same step, the next loss check (--print-freq 3: after
+    step 2), with one message naming step 1; nothing of the epoch is saved."""
+    assert_nan_stops_both_ranks_naming_step_1(tiny_data, tmp_path, "1", "1")
+
 
 def test_nan_on_both_ranks_at_different_steps_names_the_earliest(tiny_data, tmp_path):
     """Rank 0's loss becomes NaN at its step 2, rank 1's at its step 1, both before the check
-    after step 2 (--print-freq 3): the one message names step 1, the first step at which any
-    rank's loss was non-finite, not the step rank 0 saw; both ranks stop at that check."""
-    out = tmp_path / "out"
-    result = run_ranks(2, [PYTHON, PROBE, "multi",
-                           *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--print-freq", "3",
-                                       "--dist-timeout", "20")],
-                       env={"PROBE_NAN_RANK": "0,1", "PROBE_NAN_STEP": "2,1", "PROBE_OUT": str(tmp_path / "probe")},
-                       timeout=120)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert errors == ["error: training loss became nan at epoch 0, step 1; lower --lr, add --warmup-epochs or "
-                      "--clip-grad, or check the data"], result.stderr
-    assert [r["steps"] for r in probe_records(tmp_path / "probe", 2)] == [3, 3]
-    assert not os.path.exists(out / "model-0.pth")
+    after step 2: the one message names step 1, the first step at which any rank's loss was
+    non-finite, not the step rank 0 saw; both ranks stop at that check."""
+    assert_nan_stops_both_ranks_naming_step_1(tiny_data, tmp_path, "0,1", "2,1")
