@@ -163,8 +163,9 @@ def small_on_disk(tmp_path_factory, request):
 
 
 def forks_from_prestarted(cmd):
-    """Whether ``cmd`` is ``python SCRIPT.py ...`` (not ``-m``), which the prestarted Python runs."""
-    return (len(cmd) > 1 and cmd[0] == PYTHON and str(cmd[1]).endswith(".py")
+    """Whether ``cmd`` is ``python SCRIPT.py ...`` or ``python -m MODULE ...`` (torchrun among
+    them: the launcher forks, its workers are new interpreters), which the prestarted Python runs."""
+    return (len(cmd) > 2 and cmd[0] == PYTHON and (str(cmd[1]).endswith(".py") or cmd[1] == "-m")
             and os.environ.get("TESTS_FRESH_PROCESSES") != "1")
 
 

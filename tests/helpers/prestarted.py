@@ -4,13 +4,13 @@
 
 Importing torch and torchvision costs ~5 s of every process; the suite starts ~100 script
 processes. This server pays it once: for each request it forks a child that becomes what
-``python SCRIPT ARGS`` would be (its own pid, environment, working folder, stdin, stdout
+``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would be (its own pid, environment, working folder, stdin, stdout
 and stderr files, exit code; atexit handlers and threads finished as at a normal exit).
 Only third-party packages are imported before the fork; the project's own modules are
 imported afresh in every child, as in a new process. The server itself never runs a torch
 operation, so no thread pool exists to be lost in the fork.
 
-Request: {"argv": [script, args...], "env": {...}, "cwd": dir, "stdout": path, "stderr": path,
+Request: {"argv": [script, args...] or ["-m", module, args...], "env": {...}, "cwd": dir, "stdout": path, "stderr": path,
           "rc": path}. Reply: the child's pid, one line on stdout. When the child has ended,
 the server writes its exit code (as subprocess reports it: -N for a signal) to the "rc" path.
 """
@@ -57,13 +57,18 @@ def run_child(request):
                       closefd=False)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
     numpy.random.seed()  # a new process draws a new NumPy seed
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[:] = [os.path.dirname(os.path.abspath(script))] + \
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + BASE_PATH
+    argv = list(request["argv"])
+    module = argv[1] if argv[0] == "-m" else None
+    # sys.path[0]: the script's folder, or for -m the working folder (as python sets them)
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + BASE_PATH
+    sys.argv = [module] + argv[2:] if module else argv  # run_module sets argv[0] to the module's file
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         if e.code is None:
             code = 0
