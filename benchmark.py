@@ -32,6 +32,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from model import check_input_size, create_model
+from multi_train_utils.checkpoint import TrainState
 from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
                                                  select_device)
 from multi_train_utils.errors import UserError, run_cli
@@ -137,11 +138,11 @@ def new_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=5e-3)
 
 
-def measure_step(model, images, labels, device, settings, steps):
-    """Images/s of train_one_epoch on one in-memory batch: the compute ceiling of the loop; and
-    what it timed."""
-    batches = TimedRun(InMemoryBatches(images, labels, WARMUP_STEPS + steps), model)
-    stats = train_one_epoch(model, new_optimizer(model), batches, device, 0, settings=settings)
+def measure_step(model, batch, device, settings, steps):
+    """Images/s of train_one_epoch on one in-memory ``batch`` (images, labels): the compute
+    ceiling of the loop; and what it timed."""
+    batches = TimedRun(InMemoryBatches(*batch, WARMUP_STEPS + steps), model)
+    stats = train_one_epoch(TrainState(model, new_optimizer(model)), batches, device, 0, settings)
     return stats.images_per_second, batches.record()
 
 
@@ -350,16 +351,15 @@ def main(argv=None):
     num_classes = len(split.classes)
     torch.manual_seed(0)
     model = create_model(args.model, num_classes).to(device)
-    model, channels_last = optimize_model(model, argparse.Namespace(**vars(args), grad_checkpoint=False), device,
-                                          verbose=False)
+    model, channels_last = optimize_model(model, argparse.Namespace(**vars(args), grad_checkpoint=False), device)
     settings = LoopSettings(precision, channels_last)  # as train_single.py runs it
-    images, labels = next(iter(loader))
-    results["step"], timed["step"] = measure_step(model, images, labels, device, settings, args.steps)
+    batch = next(iter(loader))
+    results["step"], timed["step"] = measure_step(model, batch, device, settings, args.steps)
     print(f"step: {results['step']:.1f} images/s", flush=True)
 
     sampler.set_epoch(1)
     epoch = TimedRun(loader, model)
-    stats = train_one_epoch(model, new_optimizer(model), epoch, device, 1, settings=settings)
+    stats = train_one_epoch(TrainState(model, new_optimizer(model)), epoch, device, 1, settings)
     results["loop"], timed["loop"] = stats.images_per_second, epoch.record()
     results["efficiency"] = results["loop"] / results["step"]
     print(f"loop: {results['loop']:.1f} images/s", flush=True)
@@ -369,7 +369,7 @@ def main(argv=None):
         torch.manual_seed(0)
         model = create_model(args.model, num_classes).to(device)
         steps = max(2, args.steps // 2)
-        step, timed["baseline step"] = measure_tutorial_step(model, images, labels, device, steps)
+        step, timed["baseline step"] = measure_tutorial_step(model, *batch, device, steps)
         loop, timed["baseline loop"] = tutorial_epoch(model, new_optimizer(model),
                                                       tutorial_loader(split, args.img_size, args.batch_size), device)
         results["baseline"] = {"step": step, "loop": loop}

@@ -1,4 +1,4 @@
-"""Build a torchvision classifier, load weights safely, freeze all but the head."""
+"""The model and how it learns: a torchvision classifier, the loss, the optimizer and the schedule."""
 import math
 import os
 import re
@@ -6,9 +6,11 @@ import re
 import torch
 import torchvision
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.files import safe_load
+from multi_train_utils.process import get_world_size, is_main_process
 
 HEAD_NAMES = ("fc", "classifier", "heads", "head")  # what torchvision calls a classifier head
 
@@ -24,6 +26,76 @@ def create_model(name="resnet34", num_classes=5):
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=True)
     return torchvision.models.get_model(name, weights=None, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# How it learns: the loss, the optimizer and the learning-rate schedule. Each takes the flags
+# (``args``) and what it builds on; edit them for your own.
+
+
+def create_loss(args, class_weights=None):
+    """The training loss: cross-entropy, with --label-smoothing and --class-weights' weights
+    (a tensor, one per class) where given. It takes class indices or, after MixUp/CutMix,
+    soft targets (a row of class probabilities per image). Edit here for your own loss."""
+    return nn.CrossEntropyLoss(weight=class_weights, label_smoothing=args.label_smoothing)
+
+
+def parameter_groups(model, decay_norm_and_bias=True):
+    """The trainable parameters as optimizer groups: one, or with ``decay_norm_and_bias``
+    False two, the second (biases and normalisation layers' weights: every tensor of one
+    dimension) without weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": params}]
+    groups = [{"params": [p for p in params if p.ndim > 1]},
+              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def create_optimizer(model, args):
+    """--opt sgd (momentum, weight decay) or adamw over the trainable parameters, with no
+    weight decay on norm layers and biases under --no-norm-bias-decay, at --lr (times the
+    world size under DDP's --scale-lr). Edit here for your own optimizer."""
+    lr = args.lr * get_world_size() if getattr(args, "scale_lr", False) else args.lr
+    groups = parameter_groups(model, args.norm_bias_decay)
+    if args.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def create_lr_scheduler(optimizer, args, batches_per_epoch, start_epoch=0):
+    """Per-optimizer-step schedule (one step per --accum-steps batches): linear warm-up over --warmup-epochs, then --lr-scheduler: cosine
+    from lr down to lr * --lrf at the end of the last epoch, or step: lr * --lr-gamma ** k in
+    the k-th period of --lr-step-size epochs after the warm-up. It is a function of the step
+    alone, so ``start_epoch`` > 0 starts it at that epoch's first step (resume): the rate is
+    then what this schedule gives there, for the current number of steps per epoch (world
+    size) and --epochs. Edit here for your own schedule."""
+    epochs, warmup_epochs, lrf = args.epochs, args.warmup_epochs, args.lrf
+    schedule, step_size, gamma = args.lr_scheduler, args.lr_step_size, args.lr_gamma
+    steps_per_epoch = optimizer_steps_per_epoch(batches_per_epoch, args.accum_steps)
+    total = max(1, epochs * steps_per_epoch)
+    warmup = min(total, warmup_epochs * steps_per_epoch)
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "step":
+            return gamma ** ((step - warmup) // (step_size * steps_per_epoch))
+        progress = (step - warmup) / max(1, total - warmup)
+        return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(1.0, progress))) / 2
+
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return LambdaLR(optimizer, factor, last_epoch=start_epoch * steps_per_epoch - 1)
+
+
+def optimizer_steps_per_epoch(batches, accum_steps):
+    """Optimizer steps in an epoch of ``batches`` micro-batches (a short last group counts)."""
+    return math.ceil(batches / accum_steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's side of the model: autocast, weights, frozen layers, checks.
 
 
 class AutocastModule(nn.Module):
@@ -237,11 +309,34 @@ def _explain_forward_error(error, name, img_size, batch_size):
     raise UserError(f"--img-size {img_size}: {name} cannot take {img_size} px images ({first}); {hint}") from None
 
 
-def build_model(args, num_classes, weights_state=None, verbose=True, norm_batch=None):
+def use_sync_bn(requested, device, distributed, compiled=False, verbose=True):
+    """``--sync-bn`` resolved: off unless asked for. SyncBatchNorm computes the batch statistics
+    over all GPUs, which helps when each GPU's batch is small (under ~16 images), but each of
+    its layers adds a collective and a host sync to every forward. torch has it for GPUs only:
+    on CPUs it stays off (with a warning)."""
+    if not requested or not distributed:
+        return False
+    if device.type != "cuda":
+        if verbose:
+            print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
+        return False
+    if compiled and verbose:
+        print("warning: --sync-bn with --compile: the compiled graph breaks at every SyncBatchNorm layer, "
+              "which costs much of what compiling gains", flush=True)
+    return True
+
+
+def build_model(args, num_classes, weights_state=None, device=None, norm_batch=None):
     """check_input_size + create_model + initial weights (strict for --eval-only) +
-    --freeze-layers. ``norm_batch``: the images each BatchNorm sees in a training step
-    (default --batch-size; more with SyncBatchNorm over several processes)."""
-    check_input_size(args.model, args.img_size, norm_batch or args.batch_size, training=not args.eval_only,
+    --freeze-layers, moved to ``device``; what it tells, rank 0 prints. ``norm_batch``: the
+    images each BatchNorm sees in a training step (default --batch-size, times the world size
+    where --sync-bn makes SyncBatchNorm of it)."""
+    verbose = is_main_process()
+    if norm_batch is None:
+        synced = use_sync_bn(getattr(args, "sync_bn", None), device or torch.device("cpu"), get_world_size() > 1,
+                             verbose=False)
+        norm_batch = args.batch_size * (get_world_size() if synced else 1)
+    check_input_size(args.model, args.img_size, norm_batch, training=not args.eval_only,
                      freeze_layers=args.freeze_layers)
     model = create_model(args.model, num_classes)
     if weights_state is not None:
@@ -256,4 +351,4 @@ def build_model(args, num_classes, weights_state=None, verbose=True, norm_batch=
         head = freeze_all_but_head(model)
         if verbose:
             print(f"freeze-layers: training only '{head}' ({count_parameters(model, True):,} parameters)")
-    return model
+    return model if device is None else model.to(device)

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from multi_train_utils.images import build_transforms, read_image_uint8, resize_size
+from multi_train_utils.process import get_rank, get_world_size
 from utils import read_label_files, read_split_data
 
 
@@ -82,7 +83,7 @@ def image_file_datasets(split, img_size, augment=None):
     val_side = augment.get("val_resize_size") or resize_size(img_size)
     train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size)
     val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=val_side)
-    return Datasets(train, val, split.classes, split.skipped, split.skip_reasons, split.notes)
+    return Datasets(train, val, split.classes, skipped=split.skipped, skip_reasons=split.skip_reasons, notes=split.notes)
 
 
 class MyDataSet(Dataset):
@@ -144,11 +145,12 @@ def sample_seed(seed, epoch, index):
     return ((seed * 1_000_003 + epoch) * 1_000_003 + index) % (2**63)
 
 
-def seed_epoch(seed, epoch, rank=0):
+def seed_epoch(seed, epoch, rank=None):
     """Seed the global generators (CPU and GPUs) from (seed, epoch, rank) at the start of an
-    epoch: what the model draws (dropout, stochastic depth) then repeats on a rerun or a
-    resume, without depending on saved generator states or the number of loader workers."""
-    torch.manual_seed(sample_seed(seed + 7919, epoch, rank))
+    epoch (``rank``: this process's by default): what the model draws (dropout, stochastic
+    depth) then repeats on a rerun or a resume, without depending on saved generator states
+    or the number of loader workers."""
+    torch.manual_seed(sample_seed(seed + 7919, epoch, get_rank() if rank is None else rank))
 
 
 class EpochIndexSampler(Sampler):
@@ -176,7 +178,9 @@ class ShardSampler(Sampler):
     uses this instead so that every validation image is counted exactly once.
     """
 
-    def __init__(self, num_samples, rank=0, world_size=1):
+    def __init__(self, num_samples, rank=None, world_size=None):  # default: this process's
+        rank = get_rank() if rank is None else rank
+        world_size = get_world_size() if world_size is None else world_size
         self.indices = list(range(rank, num_samples, world_size))
 
     def __iter__(self):

@@ -127,12 +127,14 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
             f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
             "raise --val-rate or give --val-path"
         )
-    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate)
+    return _nonempty_split((train_images, train_labels), (val_images, val_labels), classes, skipped, val_rate)
 
 
-def _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate, val_list=None):
-    """The DataSplit, unless --val-rate left no training images; a note for each class that
-    gets no validation image. ``skipped``: {path: why}."""
+def _nonempty_split(train, val, classes, skipped, val_rate, val_list=None):
+    """The DataSplit of ``train`` and ``val`` (each: image paths, labels), unless --val-rate
+    left no training images; a note for each class that gets no validation image.
+    ``skipped``: {path: why}."""
+    (train_images, train_labels), (val_images, val_labels) = train, val
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
     notes = []
@@ -142,7 +144,9 @@ def _nonempty_split(train_images, train_labels, val_images, val_labels, classes,
                     (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
         notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
                      f"{fix}")
-    return DataSplit(train_images, train_labels, val_images, val_labels, classes, list(skipped), dict(skipped), notes)
+    return DataSplit(train_images_path=train_images, train_images_label=train_labels, val_images_path=val_images,
+                     val_images_label=val_labels, classes=classes, skipped=list(skipped), skip_reasons=dict(skipped),
+                     notes=notes)
 
 
 def split_by_class(images, labels, classes, val_rate, seed):
@@ -260,7 +264,8 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
                         "raise --val-rate or give --val-list" if val_list is None else
                         f"--val-list {val_list}: none of its images can be read")
-    return _nonempty_split(train_images, train_labels, val_images, val_labels, classes, skipped, val_rate, val_list)
+    return _nonempty_split((train_images, train_labels), (val_images, val_labels), classes, skipped,
+                           val_rate=val_rate, val_list=val_list)
 
 
 def stack_batch(batch):
@@ -269,9 +274,12 @@ def stack_batch(batch):
     return torch.stack(images, dim=0), torch.as_tensor(labels)
 
 
-def make_loader(dataset, batch_sampler, workers, device, persistent=True):
-    """A DataLoader over a batch sampler; with ``persistent``, its workers stay alive between
-    epochs."""
+def make_loader(dataset, batch_sampler, workers, device, validation=False):
+    """A DataLoader over a batch sampler. Training: ``workers``, kept alive between epochs.
+    ``validation``: at most MAX_VAL_WORKERS, started for each pass (a short pass: more
+    workers, kept alive, would only hold memory and processes, per rank, all epoch long)."""
+    persistent = not validation
+    workers = min(workers, MAX_VAL_WORKERS) if validation else workers
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -285,10 +293,3 @@ def make_loader(dataset, batch_sampler, workers, device, persistent=True):
         generator=torch.Generator().manual_seed(0),
     )
 
-
-def make_loaders(train_set, train_batch_sampler, val_set, val_batch_sampler, workers, device):
-    """The training loader, with ``workers`` kept alive between epochs, and the validation
-    loader, with at most MAX_VAL_WORKERS started for each pass (a short pass: more workers,
-    kept alive, would only hold memory and processes, per rank, all epoch long)."""
-    return (make_loader(train_set, train_batch_sampler, workers, device),
-            make_loader(val_set, val_batch_sampler, min(workers, MAX_VAL_WORKERS), device, persistent=False))

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 from multi_train_utils.errors import UserError
+from multi_train_utils.process import get_rank, get_world_size
 from my_dataset import sample_seed
 
 # Added to --seed so that the balanced draw is not the same stream as the model's or the
@@ -45,10 +46,13 @@ def required_labels(dataset, flag):
     return labels
 
 
-def make_train_sampler(args, dataset, num_replicas=1, rank=0):
-    """The training sampler of rank ``rank``: DistributedSampler's shuffle seeded by (seed,
-    epoch), or with --sampler balanced a BalancedDistributedSampler (a class-balanced draw
-    with replacement, seeded alike)."""
+def make_train_sampler(args, dataset, num_replicas=None, rank=None):
+    """The training sampler of rank ``rank`` of ``num_replicas`` (default: this process's, 0
+    of 1 without a process group): DistributedSampler's shuffle seeded by (seed, epoch), or
+    with --sampler balanced a BalancedDistributedSampler (a class-balanced draw with
+    replacement, seeded alike)."""
+    num_replicas = get_world_size() if num_replicas is None else num_replicas
+    rank = get_rank() if rank is None else rank
     if args.sampler == "balanced":
         return BalancedDistributedSampler(required_labels(dataset, "--sampler balanced"), num_replicas=num_replicas,
                                           rank=rank, seed=args.seed)

@@ -1,11 +1,13 @@
-"""The full checkpoint: saved each epoch, found and loaded for --resume, restored into training.
+"""The training state and its checkpoint: saved each epoch, found and loaded for --resume, restored.
 
 The one before is kept as checkpoint-prev.pth; restoring covers the optimizer's, the fp16
-scaler's and the random generators' states."""
+scaler's, the EMA's and the random generators' states, the epoch and the best epoch so far."""
 import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -26,6 +28,58 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
 # another --best-metric would compare the saved best with a different figure.
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
                   "best_metric": "accuracy"}
+
+
+@dataclass
+class BestEpoch:
+    """The best epoch so far by --best-metric, of the model or of its EMA."""
+
+    value: Optional[float] = None  # of --best-metric; None before the first epoch
+    accuracy: float = -1.0
+    epoch: int = -1
+    source: str = "model"  # "model" or "ema": whose weights model-best.pth holds
+    confusion: Optional[torch.Tensor] = None  # for the confusion matrix picture at the end
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint):
+        """The best epoch a checkpoint recorded (none for None)."""
+        if not checkpoint:
+            return cls()
+        accuracy = checkpoint.get("best_accuracy", -1.0)
+        return cls(checkpoint.get("best_value", accuracy), accuracy, checkpoint.get("best_epoch", -1),
+                   checkpoint.get("best_source", "model"), checkpoint.get("best_confusion"))
+
+    def checkpoint_fields(self):
+        """The checkpoint's best_* entries."""
+        return {"best_accuracy": self.accuracy, "best_value": self.value, "best_epoch": self.epoch,
+                "best_source": self.source, "best_confusion": self.confusion}
+
+
+@dataclass
+class TrainState:
+    """What training changes step by step, as one object: the model and how it learns, and
+    where the run stands. A checkpoint holds all of it but the loss and the batch mixer,
+    which are made anew from the flags; ``restore_training_state`` puts it back."""
+
+    model: Any
+    optimizer: Any = None
+    lr_scheduler: Any = None
+    scaler: Any = None  # torch.amp.GradScaler: fp16's loss scaling (a no-op otherwise)
+    ema: Any = None  # ema.ModelEma (--model-ema)
+    loss_function: Any = None  # model.create_loss's
+    mixer: Any = None  # mixing.BatchMixer (--mixup-alpha, --cutmix-alpha)
+    epoch: int = 0  # the next epoch to train: the epochs finished so far
+    best: BestEpoch = field(default_factory=BestEpoch)
+    stop_reason: Optional[str] = None  # why the run ends before --epochs (--patience), or None
+
+    def state_dict(self, weights, ema_state=None):
+        """The checkpoint's entries of this state, with the model's ``weights`` and the EMA's
+        ``ema_state`` already copied to the CPU; its "epoch" is the last one finished."""
+        scaler = self.scaler
+        return {"model": weights, "model_ema": ema_state, "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+                "epoch": self.epoch - 1, **self.best.checkpoint_fields(), "stopped_early": self.stop_reason}
 
 
 def resumes_in(resume_path, output_dir):
@@ -149,22 +203,25 @@ def describe_flag(flag, value):
     return f"--{name} {value}"
 
 
-def restore_training_state(checkpoint, optimizer, base_lr, scaler=None, ema=None):
-    """Load the optimizer's, the fp16 GradScaler's, the EMA's and the RNG states; return the
-    epoch to continue with.
+def restore_training_state(state, checkpoint):
+    """Load the optimizer's, the fp16 GradScaler's, the EMA's and the RNG states of
+    ``checkpoint`` (None: a fresh start) into ``state``, with the epoch to continue with and
+    the best epoch so far; return that epoch.
 
-    The learning rate is re-derived (``base_lr``, for the current world size) rather than
-    taken from the checkpoint, and the weight decay of each group is this run's; the
-    scheduler is then created at the checkpoint's epoch.
+    The learning rate is this run's (--lr, for the current world size) rather than the
+    checkpoint's, and so is the weight decay of each group; the scheduler is then created at
+    the checkpoint's epoch.
     """
     if checkpoint is None:
-        return 0
+        return state.epoch
+    optimizer, scaler, ema = state.optimizer, state.scaler, state.ema
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
     weight_decays = [group["weight_decay"] for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"--resume: the checkpoint's optimizer state does not fit this model ({e})") from None
-    for group, weight_decay in zip(optimizer.param_groups, weight_decays):
+    for group, base_lr, weight_decay in zip(optimizer.param_groups, base_lrs, weight_decays):
         group["lr"] = group["initial_lr"] = base_lr
         group["weight_decay"] = weight_decay
     if ema is not None:
@@ -180,7 +237,8 @@ def restore_training_state(checkpoint, optimizer, base_lr, scaler=None, ema=None
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"--resume: the checkpoint's random generator states cannot be restored ({e}); "
                         "resume from another checkpoint, or start over with --overwrite") from None
-    return int(checkpoint["epoch"]) + 1
+    state.epoch, state.best = int(checkpoint["epoch"]) + 1, BestEpoch.from_checkpoint(checkpoint)
+    return state.epoch
 
 
 def _restore_rng(rng):

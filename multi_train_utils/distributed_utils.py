@@ -10,6 +10,7 @@ Rank, world size and local rank come from the environment:
   SLURM_JOB_ID (so two jobs on one node do not collide);
 - anything else is a single process (world size 1) and no process group is created.
 """
+import functools
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized
 from multi_train_utils.signals import die_with_launcher
 
 
@@ -255,13 +257,16 @@ def default_workers(sharing=1):
     return min(MAX_WORKERS, cores_per_process(sharing))
 
 
-def configure_cpu_threads(device, sharing=1, threads=None):
-    """``--threads`` if given; else, on a CPU, each process gets its share of the cores, so
-    that N ranks on one CPU don't fight."""
+def configure_cpu_threads(device, args=None, sharing=1):
+    """This process's share of the CPU, for ``sharing`` processes on its cores: torch's threads
+    (``--threads`` if given; else, on a CPU, its share of the cores, so that N ranks on one CPU
+    don't fight). Returns the loader workers: --workers, else ``default_workers``."""
+    threads, workers = getattr(args, "threads", None), getattr(args, "workers", None)
     if threads:
         torch.set_num_threads(threads)
     elif device.type == "cpu":
         torch.set_num_threads(cores_per_process(sharing))
+    return workers if workers is not None else default_workers(sharing)
 
 
 def connect_store(args, env):
@@ -272,6 +277,14 @@ def connect_store(args, env):
     return _rendezvous_store(env, timedelta(seconds=args.dist_timeout))
 
 
+_JOB = None  # this process's DistEnv, once init_distributed_mode has it
+
+
+def current_job():
+    """The DistEnv given to ``init_distributed_mode``, or None (train_single.py: no job)."""
+    return _JOB
+
+
 def init_distributed_mode(args, env, device, store=None):
     """Create the default process group when launched by torchrun, launch or SLURM; return its
     backend, or None for a single process (no process group).
@@ -279,6 +292,8 @@ def init_distributed_mode(args, env, device, store=None):
     NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides. ``store`` is the one
     from ``connect_store`` (None: ``--dist-url`` is used).
     """
+    global _JOB
+    _JOB = env
     if not env.distributed:
         return None
     backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -297,23 +312,6 @@ def init_distributed_mode(args, env, device, store=None):
         device_id=device if backend == "nccl" else None,
     )
     return backend
-
-
-def use_sync_bn(requested, device, distributed, compiled=False, verbose=True):
-    """``--sync-bn`` resolved: off unless asked for. SyncBatchNorm computes the batch statistics
-    over all GPUs, which helps when each GPU's batch is small (under ~16 images), but each of
-    its layers adds a collective and a host sync to every forward. torch has it for GPUs only:
-    on CPUs it stays off (with a warning)."""
-    if not requested or not distributed:
-        return False
-    if device.type != "cuda":
-        if verbose:
-            print("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU", flush=True)
-        return False
-    if compiled and verbose:
-        print("warning: --sync-bn with --compile: the compiled graph breaks at every SyncBatchNorm layer, "
-              "which costs much of what compiling gains", flush=True)
-    return True
 
 
 def _rendezvous_store(env, timeout):
@@ -364,6 +362,18 @@ def cleanup(failed=False, seconds=None):
               "stuck); leaving without it", file=sys.stderr, flush=True)
 
 
+def leaves_process_group(main):
+    """``main``, then ``cleanup``: the process leaves its group at the end, or, on an error,
+    without waiting long for peers that may be gone (an NCCL group is aborted)."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        finally:
+            cleanup(failed=sys.exc_info()[0] is not None)
+    return run
+
+
 def _quietly(function, gpu=None):
     try:
         if gpu is not None:
@@ -371,26 +381,6 @@ def _quietly(function, gpu=None):
         function()
     except Exception:  # a group already broken by the error being reported: nothing left to clean
         pass
-
-
-def is_dist_avail_and_initialized():
-    """True inside an initialised process group."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_world_size():
-    """Number of processes in the job (1 without a process group)."""
-    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
-
-
-def get_rank():
-    """Global rank of this process (0 without a process group)."""
-    return dist.get_rank() if is_dist_avail_and_initialized() else 0
-
-
-def is_main_process():
-    """Only global rank 0 prints, logs and writes files."""
-    return get_rank() == 0
 
 
 def check_on_every_rank(check, device):

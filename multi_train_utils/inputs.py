@@ -13,9 +13,11 @@ import torch
 
 from model import read_weights
 from multi_train_utils.checkpoint import check_resume_compatible, find_resume_checkpoint
+from multi_train_utils.distributed_utils import check_on_every_rank, check_same_on_every_rank, current_job
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker, download_flower_photos,
                                             make_demo_dataset, wait_for_folder)
+from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.run_files import check_output_dir, read_run_classes
 from multi_train_utils.run_lock import RunLock, lock_output_dir
 from my_dataset import Datasets, MyDataSet
@@ -29,11 +31,26 @@ class RunInputs(NamedTuple):
     output_lock: Optional[RunLock]  # this run's hold on --output-dir (the writing rank's), until it exits
 
 
-def read_inputs(args, build_datasets, local_rank=0, world_size=1, verbose=True, writer=True):
-    """Lock --output-dir (``writer``: the one process that writes there), then build the
+def read_inputs(args, build_datasets, device):
+    """Lock --output-dir (rank 0: the one process that writes there), then build the
     datasets (``build_datasets(args)``, see my_dataset.py), read --weights and --resume and
     check --output-dir: a UserError on bad input (which leaves nothing behind: the lock file
-    goes again at exit if nothing was written)."""
+    goes again at exit if nothing was written).
+
+    Every rank of a job checks the same input; if any finds a problem, all stop (the others
+    with a line that points to its error), and they must agree on the checkpoint to resume.
+    """
+    job = current_job()
+    local_rank, world_size, main = job.local_rank if job else 0, get_world_size(), get_rank() == 0
+    inputs = check_on_every_rank(lambda: _read_inputs(args, build_datasets, local_rank, world_size, main), device)
+    check_same_on_every_rank(-1 if inputs.checkpoint is None else int(inputs.checkpoint["epoch"]), device,
+                             "the checkpoint to resume from")
+    return inputs
+
+
+def _read_inputs(args, build_datasets, local_rank=0, world_size=1, writer=True):
+    """read_inputs on one rank; ``writer``: rank 0, which locks, warns and downloads weights."""
+    verbose = writer
     lock = lock_output_dir(args.output_dir) if writer and not args.eval_only else None
     resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
     if not args.eval_only:  # before --download or --demo fetch or write anything
@@ -52,7 +69,7 @@ def file_list_fingerprint(data):
     run trains and validates on, for the checkpoint; paths are taken relative to the folder
     that holds them all, so moving the data elsewhere changes nothing. None for datasets
     other than the built-in MyDataSet (no list of files)."""
-    if not (isinstance(data.train, MyDataSet) and isinstance(data.val, MyDataSet)):
+    if not (isinstance(getattr(data, "train", None), MyDataSet) and isinstance(getattr(data, "val", None), MyDataSet)):
         return None
     items = [(split, label, os.path.abspath(path)) for split, dataset in (("train", data.train), ("val", data.val))
              for path, label in zip(dataset.images_path, dataset.images_class)]

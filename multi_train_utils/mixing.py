@@ -10,6 +10,7 @@ The targets become soft (one row of class probabilities per image, summing to 1)
 import torch
 from torchvision.transforms import v2
 
+from multi_train_utils.process import get_rank
 from my_dataset import sample_seed
 
 # Added to --seed so that the mixing is not the same stream as the model's or the augmentations'.
@@ -44,8 +45,10 @@ class BatchMixer:
         return images, targets
 
 
-def make_batch_mixer(args, num_classes, rank=0):
-    """The BatchMixer of --mixup-alpha / --cutmix-alpha, or None when both are 0."""
+def make_batch_mixer(args, num_classes, rank=None):
+    """The BatchMixer of --mixup-alpha / --cutmix-alpha (seeded per rank: this process's by
+    default), or None when both are 0."""
+    rank = get_rank() if rank is None else rank
     if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
         return None
     return BatchMixer(num_classes, args.mixup_alpha, args.cutmix_alpha, args.seed, rank)

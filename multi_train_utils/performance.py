@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from model import AutocastModule
 from multi_train_utils.errors import UserError
+from multi_train_utils.process import is_main_process
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -160,13 +162,15 @@ def enable_grad_checkpoint(model, model_name="the model"):
     return [name for name, _ in stages]
 
 
-def optimize_model(model, args, device, verbose=True):
-    """channels_last, --grad-checkpoint and --compile on a model already on ``device``.
+def optimize_model(model, args, device, precision=None):
+    """channels_last, --grad-checkpoint and --compile (and train_single.py's --data-parallel)
+    on a model already on ``device``; what it tells, rank 0 prints.
 
     Returns ``(model, channels_last)``: the model to train, and whether it (and so its input)
     is in channels_last. Compile comes last, on the plain module (as in nanoGPT); checkpoints
     are still saved from the plain module, without prefixes.
     """
+    verbose = is_main_process()
     channels_last = wants_channels_last(args.channels_last, model, device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -176,4 +180,20 @@ def optimize_model(model, args, device, verbose=True):
             print(f"grad-checkpoint: recomputing {', '.join(stages)} in backward", flush=True)
     if args.compile:
         model = torch.compile(model)
+    if getattr(args, "data_parallel", False):
+        model = wrap_data_parallel(model, device, precision)
     return model, channels_last
+
+
+def wrap_data_parallel(model, device, precision):
+    """nn.DataParallel over all visible GPUs (one process); DDP is faster and scales further.
+    Each replica runs its forward under ``precision``'s autocast itself (see AutocastModule)."""
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if count < 2:
+        print(f"warning: --data-parallel needs 2 or more GPUs, {count} visible; training on {device} alone",
+              flush=True)
+        return model
+    device_ids = list(range(device.index or 0, count))  # the model sits on the first of them
+    print(f"DataParallel over GPUs {device_ids}; DistributedDataParallel (torchrun train_multi_gpu.py) is faster",
+          flush=True)
+    return nn.DataParallel(AutocastModule(model, precision.autocast), device_ids=device_ids)

@@ -4,23 +4,28 @@ import os
 import time
 
 from model import plain_state_dict
-from multi_train_utils.checkpoint import CHECKPOINT, resumes_in, rng_state, save_checkpoint
+from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, resumes_in, rng_state, save_checkpoint,
+                                          set_aside_damaged_checkpoint)
 from multi_train_utils.errors import MidRunError, one_line, resource_error
 from multi_train_utils.files import cpu_tensors, save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
-from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, model_epoch_files, write_metrics,
-                                         write_run_settings)
+from multi_train_utils.inputs import file_list_fingerprint
+from multi_train_utils.process import get_world_size, is_main_process
+from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, clear_earlier_run, model_epoch_files,
+                                         write_metrics, write_run_settings)
 from multi_train_utils.summary import class_counts, print_end_summary
 from multi_train_utils.train_eval_utils import is_better
 
 
 class RunRecorder:
-    """Writes a run's files; does nothing on ranks other than 0 (``enabled=False``).
+    """Writes a run's files, from rank 0 (``enabled``: default, whether this process is rank
+    0); keeps ``state``'s best epoch and stop reason up to date on every rank.
 
-    At the start: train.log (from then on), args.json, class_indices.json, and metrics.csv
-    (or, resuming, the files of the checkpoint's epoch). ``clear_earlier_run`` and
-    ``set_aside_damaged_checkpoint`` make --output-dir ready before.
+    At the start: --output-dir made ready (``clear_earlier_run``: leftover temporary files,
+    and with --overwrite the earlier run; ``set_aside_damaged_checkpoint``), then train.log
+    (from then on), args.json, class_indices.json, and metrics.csv (or, resuming, the files
+    of the checkpoint's epoch).
 
     After every epoch, in this order: ``checkpoint.pth`` (which also holds the metrics rows
     and the best epoch), then ``model-{epoch}.pth``, ``model-best.pth`` and metrics.csv, all
@@ -28,24 +33,22 @@ class RunRecorder:
     checkpoint and rewrites what came after it.
     """
 
-    def __init__(self, args, classes, world_size=1, enabled=True, checkpoint=None, resume_path=None, run_log=None,
-                 file_list=None):
-        self.enabled = enabled
-        self.file_list = file_list  # which files it trains on (inputs.file_list_fingerprint): a resume compares
+    def __init__(self, args, data, state=None, checkpoint=None, resume_path=None, run_log=None, enabled=None,
+                 world_size=None):
+        self.enabled = is_main_process() if enabled is None else enabled
         self.args = args
-        self.classes = classes
-        self.world_size = world_size
+        self.classes = data.classes
+        self.world_size = get_world_size() if world_size is None else world_size
+        # which files it trains on: a resume compares
+        self.file_list = file_list_fingerprint(data) if self.enabled else None
         self.output_dir = args.output_dir
         checkpoint = checkpoint or {}
         self.rows = list(checkpoint.get("metrics", []))
-        # The best epoch by --best-metric, of the model or its EMA (best_source); kept on
+        # The best epoch by --best-metric, of the model or its EMA (state.best); kept on
         # every rank, since every rank decides alike when --patience runs out.
-        self.best_accuracy = checkpoint.get("best_accuracy", -1.0)
-        self.best_value = checkpoint.get("best_value", self.best_accuracy if checkpoint else None)
-        self.best_epoch = checkpoint.get("best_epoch", -1)
-        self.best_source = checkpoint.get("best_source", "model")
-        self.best_confusion = checkpoint.get("best_confusion")
-        self.stop_reason = self._patience_ran_out(int(checkpoint["epoch"])) if checkpoint else None
+        self.state = state if state is not None else TrainState(None)
+        if checkpoint:
+            self.state.stop_reason = self._patience_ran_out(int(checkpoint["epoch"]))
         self.started = time.perf_counter()
         self.drawn = []  # the pictures plot_data drew
         self.run_log = run_log
@@ -58,12 +61,14 @@ class RunRecorder:
             args.log_dir, f"{os.path.basename(os.path.abspath(args.output_dir))}-{time.strftime('%Y%m%d-%H%M%S')}"
                           f"-{os.getpid()}")
         self.writer = None
-        if not enabled:
+        if not self.enabled:
             return
+        clear_earlier_run(args, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
+        set_aside_damaged_checkpoint(self.output_dir, resume_path)  # resumed from checkpoint-prev.pth
         os.makedirs(self.output_dir, exist_ok=True)
         if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
             run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
-        write_run_settings(self.output_dir, args, classes)  # args.json, class_indices.json
+        write_run_settings(self.output_dir, args, self.classes)  # args.json, class_indices.json
         if checkpoint:
             self._report_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"],
@@ -77,16 +82,16 @@ class RunRecorder:
 
     def _patience_ran_out(self, epoch):
         """Why the run ends after ``epoch`` under --patience, or None if it goes on."""
-        patience = self.args.patience
-        if patience and self.best_epoch >= 0 and epoch - self.best_epoch >= patience:
+        patience, best = self.args.patience, self.state.best
+        if patience and best.epoch >= 0 and epoch - best.epoch >= patience:
             return (f"stopped early after epoch {epoch}: no better val {self.args.best_metric} for {patience} "
-                    f"epochs (--patience {patience}; best at epoch {self.best_epoch})")
+                    f"epochs (--patience {patience}; best at epoch {best.epoch})")
         return None
 
     def _report_resume(self, checkpoint, resume_path):
         epoch, world_size = int(checkpoint["epoch"]), self.world_size
-        if self.stop_reason:
-            print(f"resuming from {resume_path}: the run is already complete ({self.stop_reason}); to train on, "
+        if self.state.stop_reason:
+            print(f"resuming from {resume_path}: the run is already complete ({self.state.stop_reason}); to train on, "
                   "resume with a larger --patience, or 0", flush=True)
         elif epoch + 1 >= self.args.epochs:
             print(f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
@@ -102,8 +107,8 @@ class RunRecorder:
         """Everything that follows from a checkpoint: model-{epoch}, model-best (the model's
         weights or the EMA's, whichever scored better), metrics.csv."""
         save_atomic(weights, os.path.join(self.output_dir, f"model-{epoch}.pth"))
-        if self.best_epoch == epoch:
-            best = ema_weights if self.best_source == "ema" and ema_weights is not None else weights
+        if self.state.best.epoch == epoch:
+            best = ema_weights if self.state.best.source == "ema" and ema_weights is not None else weights
             save_atomic(best, os.path.join(self.output_dir, "model-best.pth"))
         write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
@@ -127,43 +132,26 @@ class RunRecorder:
         return (f"{os.path.join(self.output_dir, CHECKPOINT)} (epoch {self.saved_epoch}) is intact: continue from it "
                 "with --resume auto")
 
-    def end_epoch(self, epoch, model, optimizer, lr_scheduler, scaler, train_stats, eval_result, epoch_seconds,
-                  ema=None, ema_result=None):
-        """Pick the best of the epoch (the model or its EMA), decide on --patience, then save
-        the checkpoint, the epoch's weights, the best weights and metrics.csv (rank 0)."""
-        metric = self.args.best_metric
-        source, result = "model", eval_result
-        if ema_result is not None and is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
-            source, result = "ema", ema_result
-        improved = is_better(metric, result.metric(metric), self.best_value)
-        if improved:
-            self.best_value, self.best_accuracy, self.best_epoch = result.metric(metric), result.accuracy, epoch
-            self.best_source, self.best_confusion = source, result.confusion
-        self.stop_reason = self._patience_ran_out(epoch)
+    def end_epoch(self, epoch, train_stats, eval_result, ema_result=None, seconds=0.0):
+        """After ``epoch`` (``seconds`` long): pick the best of the epoch (the model or its
+        EMA), decide on --patience, then save the checkpoint, the epoch's weights, the best
+        weights and metrics.csv (rank 0)."""
+        state = self.state
+        state.epoch = epoch + 1
+        self._update_best(epoch, eval_result, ema_result)
+        state.stop_reason = self._patience_ran_out(epoch)
         if not self.enabled:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
             return
-        weights = cpu_tensors(plain_state_dict(model))  # copied off the GPU once for the three files
-        ema_state = cpu_tensors(ema.state_dict()) if ema is not None else None
-        images_per_second = train_stats.images_per_second  # training only, warm-up left out
+        weights = cpu_tensors(plain_state_dict(state.model))  # copied off the GPU once for the three files
+        ema_state = cpu_tensors(state.ema.state_dict()) if state.ema is not None else None
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
-                          f"{train_stats.last_lr:.8g}", f"{images_per_second:.2f}", f"{epoch_seconds:.3f}",
-                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source])
+                          f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}", f"{seconds:.3f}",
+                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), state.best.source])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, {
-            "model": weights,
-            "model_ema": ema_state,
-            "optimizer": optimizer.state_dict(),
-            "lr_scheduler": lr_scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-            "epoch": epoch,
-            "best_accuracy": self.best_accuracy,
-            "best_value": self.best_value,  # of --best-metric
-            "best_epoch": self.best_epoch,
-            "best_source": self.best_source,  # "model" or "ema": whose weights model-best.pth holds
-            "best_confusion": self.best_confusion,  # for the confusion matrix picture at the end
-            "stopped_early": self.stop_reason,  # why the run ended before --epochs, or None
+            **state.state_dict(weights, ema_state),
             "metrics": self.rows,
             "args": args_to_dict(self.args),
             "classes": list(self.classes),
@@ -177,7 +165,17 @@ class RunRecorder:
         ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
         print(f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
               f"({eval_result.correct}/{eval_result.total}){ema_text}  lr: {train_stats.last_lr:.3g}  "
-              f"{images_per_second:.1f} img/s", flush=True)
+              f"{train_stats.images_per_second:.1f} img/s", flush=True)
+
+    def _update_best(self, epoch, eval_result, ema_result):
+        """The state's best epoch, if the model or its EMA (whichever scores better) beat it."""
+        metric, best = self.args.best_metric, self.state.best
+        source, result = "model", eval_result
+        if ema_result is not None and is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
+            source, result = "ema", ema_result
+        if is_better(metric, result.metric(metric), best.value):
+            best.value, best.accuracy, best.epoch = result.metric(metric), result.accuracy, epoch
+            best.source, best.confusion = source, result.confusion
 
     def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
         """The epoch's figures in TensorBoard (the EMA's under ema/)."""
@@ -228,8 +226,7 @@ class RunRecorder:
         if not self.enabled:
             return
         plots = self._plot_results() if self.args.plots else []
-        print_end_summary(self.output_dir, self.args.best_metric, self.best_value, self.best_epoch, self.best_source,
-                          time.perf_counter() - self.started, plots, self.stop_reason)
+        print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots)
         self.close()
 
     def _plot_results(self):
@@ -237,12 +234,13 @@ class RunRecorder:
         rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
         save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
         plots = self.drawn + ["curves"]
-        if self.best_confusion is not None:
-            save_confusion_matrix(self.best_confusion, self.classes, self.output_dir,
-                                  f"best epoch {self.best_epoch}, validation", self.writer, last)
+        best = self.state.best
+        if best.confusion is not None:
+            save_confusion_matrix(best.confusion, self.classes, self.output_dir, f"best epoch {best.epoch}, validation",
+                                  writer=self.writer, step=last)
             plots.append("confusion_matrix")
         else:  # a checkpoint from before confusion matrices were kept, and no better epoch since
-            print(f"note: no confusion matrix of the best epoch {self.best_epoch} was kept; draw one with "
+            print(f"note: no confusion matrix of the best epoch {best.epoch} was kept; draw one with "
                   f"--eval-only --weights {os.path.join(self.output_dir, 'model-best.pth')} --eval-output DIR")
         return plots
 

@@ -2,12 +2,15 @@
 import os
 
 import torch
+import torch.distributed as dist
 
 from model import count_parameters
+from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
+from multi_train_utils.process import get_world_size, is_main_process
 
 RULE = "-" * 78
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
@@ -22,9 +25,15 @@ def describe_device(device):
     return str(device)
 
 
-def print_start_summary(args, data, device, settings, model, lr, workers, log_dir, world_size=1,
-                        launcher="single process", backend="-"):
-    """Devices, data, model, batch, learning rate and where everything goes."""
+def print_start_summary(args, data, state, settings, device, workers=0, log_dir="-"):
+    """Devices, data, model (``state.model``), batch, learning rate and where everything goes;
+    rank 0 prints it."""
+    if not is_main_process():
+        return
+    world_size, job = get_world_size(), current_job()
+    launcher = "single process" if job is None else job.launcher
+    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "-"
+    model, lr = state.model, state.optimizer.param_groups[0]["lr"]
     print(RULE)
     if world_size > 1 and device.type == "cuda":
         where = f"one GPU per process ({torch.cuda.get_device_name(device)})"
@@ -78,19 +87,19 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def print_end_summary(output_dir, best_metric, best_value, best_epoch, best_source, seconds, plots,
-                      stop_reason=None):
-    """Best --best-metric and its epoch, whose weights model-best.pth holds (the model's or
-    its EMA's), why the run stopped early if it did, the time taken, and where the weights
-    and pictures are."""
+def print_end_summary(args, state, seconds, plots=()):
+    """Best --best-metric and its epoch (``state.best``), whose weights model-best.pth holds
+    (the model's or its EMA's), why the run stopped early if it did, the time taken (``seconds``),
+    and where the weights and ``plots`` are."""
+    output_dir, epoch = args.output_dir, state.best.epoch
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
-    if stop_reason:
-        print(stop_reason)
-    print(f"best val {best_metric.replace('_', ' ')}: {best_value:.4f} at epoch {best_epoch}; this session took "
+    if state.stop_reason:
+        print(state.stop_reason)
+    print(f"best val {args.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
           f"{format_duration(seconds)}")
-    source = "the EMA of the weights (--model-ema)" if best_source == "ema" else "the model's weights"
-    print(f"best weights: {best} ({source}, epoch {best_epoch})")
+    source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"
+    print(f"best weights: {best} ({source}, epoch {epoch})")
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
@@ -166,7 +175,9 @@ def evaluation_metrics_csv(result, classes):
 def report_evaluation(result, data, args):
     """What --eval-only prints (data, per-class and overall metrics) and, with --eval-output,
     writes (the confusion matrix as PNG and CSV, overall_metrics.csv, per_class_metrics.csv).
-    Rank 0 only."""
+    Rank 0 only: the other ranks return at once."""
+    if not is_main_process():
+        return
     print_data_summary(args, data)
     print_evaluation(result, data.classes)
     if args.eval_output:

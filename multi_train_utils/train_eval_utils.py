@@ -1,4 +1,4 @@
-"""The training and evaluation loops, with the loss, the optimizer and the learning-rate schedule."""
+"""The training and evaluation loops: train_one_epoch, evaluate, and what they return."""
 import contextlib
 import math
 import sys
@@ -9,15 +9,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from model import set_train_mode
-from multi_train_utils.distributed_utils import (all_reduce_sum, broadcast_buffers, get_world_size, is_main_process,
-                                                 reduce_value)
+from multi_train_utils.distributed_utils import all_reduce_sum, broadcast_buffers, reduce_value
 from multi_train_utils.errors import UserError
 from multi_train_utils.images import DeviceNormalizer
 from multi_train_utils.performance import Precision
+from multi_train_utils.process import get_world_size, is_main_process
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
 WARMUP_STEPS = 2
@@ -146,71 +145,13 @@ def _nanmean(values):
     return sum(kept) / len(kept) if kept else 0.0
 
 
-def create_loss(label_smoothing=0.0, class_weights=None):
-    """The training loss: cross-entropy, with --label-smoothing and --class-weights' weights
-    (a tensor, one per class) where given. It takes class indices or, after MixUp/CutMix,
-    soft targets (a row of class probabilities per image). Edit here for your own loss."""
-    return nn.CrossEntropyLoss(weight=class_weights, label_smoothing=label_smoothing)
+def train_one_epoch(state, data_loader, device, epoch, settings=None):
+    """Train ``state``'s model for one epoch; return TrainStats.
 
-
-def parameter_groups(model, decay_norm_and_bias=True):
-    """The trainable parameters as optimizer groups: one, or with ``decay_norm_and_bias``
-    False two, the second (biases and normalisation layers' weights: every tensor of one
-    dimension) without weight decay."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if decay_norm_and_bias:
-        return [{"params": params}]
-    groups = [{"params": [p for p in params if p.ndim > 1]},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def create_optimizer(model, lr, args):
-    """--opt sgd (momentum, weight decay) or adamw over the trainable parameters, with no
-    weight decay on norm layers and biases under --no-norm-bias-decay. Edit here for your own
-    optimizer; ``lr`` is --lr, scaled by the world size where asked."""
-    groups = parameter_groups(model, args.norm_bias_decay)
-    if args.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, weight_decay=args.weight_decay)
-    return torch.optim.SGD(groups, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
-
-
-def create_lr_scheduler(optimizer, steps_per_epoch, epochs, warmup_epochs=0, lrf=0.1, start_epoch=0,
-                        schedule="cosine", step_size=30, gamma=0.1):
-    """Per-step schedule: linear warm-up over ``warmup_epochs``, then ``schedule``: cosine
-    from lr down to lr * lrf at the end of the last epoch, or step: lr * gamma ** k in the
-    k-th period of ``step_size`` epochs after the warm-up. It is a function of the step
-    alone, so ``start_epoch`` > 0 starts it at that epoch's first step (resume): the rate is
-    then what this schedule gives there, for the current number of steps per epoch (world
-    size) and total of epochs."""
-    total = max(1, epochs * steps_per_epoch)
-    warmup = min(total, warmup_epochs * steps_per_epoch)
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "step":
-            return gamma ** ((step - warmup) // (step_size * steps_per_epoch))
-        progress = (step - warmup) / max(1, total - warmup)
-        return lrf + (1 - lrf) * (1 + math.cos(math.pi * min(1.0, progress))) / 2
-
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
-    return LambdaLR(optimizer, factor, last_epoch=start_epoch * steps_per_epoch - 1)
-
-
-def optimizer_steps_per_epoch(batches, accum_steps):
-    """Optimizer steps in an epoch of ``batches`` micro-batches (a short last group counts)."""
-    return math.ceil(batches / accum_steps)
-
-
-def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=None, scaler=None, settings=None,
-                    loss_function=None, mixer=None, ema=None):
-    """Train for one epoch; return TrainStats.
-
-    ``loss_function``: ``create_loss()``'s by default. ``mixer``: a ``mixing.BatchMixer``
-    (--mixup-alpha, --cutmix-alpha) that mixes each normalised batch on the device. ``ema``:
-    an ``ema.ModelEma`` updated after every optimizer step.
+    ``state``: a ``checkpoint.TrainState``: the model and optimizer, and where given the
+    schedule (stepped per optimizer step), the fp16 loss scaler, the EMA (updated after every
+    optimizer step), the loss (``create_loss``'s by default: plain cross-entropy) and the
+    batch mixer (--mixup-alpha, --cutmix-alpha: mixes each normalised batch on the device).
 
     With ``settings.accum_steps`` = k, gradients of k micro-batches are summed before each
     optimizer step (DDP averages them across ranks only on the k-th, under ``no_sync``
@@ -219,21 +160,20 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
     NaN or infinite loss.
     """
     settings = settings or LoopSettings()
-    scaler = scaler or settings.precision.grad_scaler()
+    model, optimizer, mixer = state.model, state.optimizer, state.mixer
+    scaler = state.scaler or settings.precision.grad_scaler()
     set_train_mode(model)
-    loss_function = (loss_function or create_loss()).to(device)  # class weights, if any, on the device
+    loss_function = (state.loss_function or nn.CrossEntropyLoss()).to(device)  # class weights on the device
     to_device = DeviceNormalizer(device, settings.channels_last)
-    params = [p for p in model.parameters() if p.requires_grad]
     steps = len(data_loader)
     world_size = get_world_size()
     loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
     first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
     shown = LossDisplay(epoch)
     last_lr = optimizer.param_groups[0]["lr"]
-    start = time.perf_counter()
-    warm_start, warm_images = start, 0
-    progress = tqdm(total=steps * data_loader.batch_sampler.batch_size * world_size, unit="img",
-                    desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
+    clock = EpochClock(device, images_per_step=data_loader.batch_sampler.batch_size * world_size, steps=steps)
+    progress = tqdm(total=clock.images, unit="img", desc=f"[train epoch {epoch}]", disable=not is_main_process(),
+                    file=sys.stdout)
     for step, (images, labels) in enumerate(data_loader):
         images, targets = to_device(images, labels)
         if mixer is not None:
@@ -251,37 +191,54 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, lr_scheduler=N
         loss_sum += loss
         first_bad_step = torch.where((first_bad_step < 0) & ~torch.isfinite(loss), step, first_bad_step)
         if updates_now:
-            if settings.clip_grad:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
-                nn.utils.clip_grad_norm_(params, settings.clip_grad)
             last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(model)
-            if lr_scheduler is not None:
-                lr_scheduler.step()
+            optimizer_step(state, scaler, settings.clip_grad)
         if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
             shown.update(loss_sum, step + 1, first_bad_step)  # the only host sync in the loop
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
         progress.update(len(images) * world_size)
-        if step + 1 == WARMUP_STEPS:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # once an epoch: start the clock when the warm-up is done
-            warm_start, warm_images = time.perf_counter(), (step + 1) * len(images) * world_size
+        clock.step_done(step)
     progress.close()
-    seconds = time.perf_counter() - start
-    images_seen = steps * data_loader.batch_sampler.batch_size * world_size  # full batches on every rank
-    if steps <= WARMUP_STEPS:  # too short to leave out a warm-up
-        warm_start, warm_images = start, 0
-    return TrainStats(
-        mean_loss=shown.mean_loss,
-        images=images_seen,
-        seconds=seconds,
-        last_lr=last_lr,
-        images_per_second=(images_seen - warm_images) / max(time.perf_counter() - warm_start, 1e-9),
-    )
+    return clock.stats(shown.mean_loss, last_lr)
+
+
+def optimizer_step(state, scaler, clip_grad=None):
+    """One optimizer step on the summed gradients (clipped to ``clip_grad``, unscaled first
+    under fp16), then the EMA update and the schedule's step."""
+    optimizer = state.optimizer
+    if clip_grad:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        nn.utils.clip_grad_norm_([p for p in state.model.parameters() if p.requires_grad], clip_grad)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if state.ema is not None:
+        state.ema.update(state.model)
+    if state.lr_scheduler is not None:
+        state.lr_scheduler.step()
+
+
+class EpochClock:
+    """An epoch's time and images/s, leaving out the first WARMUP_STEPS steps (worker start-up,
+    first kernels) when the epoch is longer than that."""
+
+    def __init__(self, device, images_per_step, steps):
+        self.device, self.images_per_step, self.steps = device, images_per_step, steps
+        self.images = steps * images_per_step  # full batches on every rank
+        self.start = self.warm_start = time.perf_counter()
+        self.warm_images = 0
+
+    def step_done(self, step):
+        if step + 1 == WARMUP_STEPS and self.steps > WARMUP_STEPS:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # once an epoch: start the clock when the warm-up is done
+            self.warm_start, self.warm_images = time.perf_counter(), (step + 1) * self.images_per_step
+
+    def stats(self, mean_loss, last_lr):
+        """The epoch's TrainStats."""
+        now = time.perf_counter()
+        return TrainStats(mean_loss=mean_loss, images=self.images, seconds=now - self.start, last_lr=last_lr,
+                          images_per_second=(self.images - self.warm_images) / max(now - self.warm_start, 1e-9))
 
 
 class LossDisplay:

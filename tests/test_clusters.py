@@ -123,24 +123,27 @@ def test_loader_workers_divide_the_cores_among_the_processes_sharing_them(monkey
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # no worker is started here
 def test_validation_loader_has_at_most_two_workers_started_per_pass():
-    from utils import MAX_VAL_WORKERS, make_loaders
+    from utils import MAX_VAL_WORKERS, make_loader
 
     data = [torch.zeros(3, 4, 4, dtype=torch.uint8)] * 4
-    train, val = make_loaders(data, [[0, 1]], data, [[0, 1]], 6, torch.device("cpu"))
+    train = make_loader(data, [[0, 1]], 6, torch.device("cpu"))
+    val = make_loader(data, [[0, 1]], 6, torch.device("cpu"), validation=True)
     assert (train.num_workers, train.persistent_workers) == (6, True)
     assert (val.num_workers, val.persistent_workers) == (MAX_VAL_WORKERS, False) == (2, False)
-    _, val = make_loaders(data, [[0]], data, [[0]], 1, torch.device("cpu"))
+    val = make_loader(data, [[0]], 1, torch.device("cpu"), validation=True)
     assert val.num_workers == 1
 
 
 def test_sync_bn_is_opt_in_and_warns_with_compile(capsys):
+    from model import use_sync_bn
+
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert distributed_utils.use_sync_bn(None, gpu, distributed=True) is False  # the default
-    assert distributed_utils.use_sync_bn(True, gpu, distributed=False) is False  # one process: nothing to sync
+    assert use_sync_bn(None, gpu, distributed=True) is False  # the default
+    assert use_sync_bn(True, gpu, distributed=False) is False  # one process: nothing to sync
     assert capsys.readouterr().out == ""
-    assert distributed_utils.use_sync_bn(True, gpu, distributed=True, compiled=True) is True
+    assert use_sync_bn(True, gpu, distributed=True, compiled=True) is True
     assert "--sync-bn with --compile: the compiled graph breaks at every SyncBatchNorm" in capsys.readouterr().out
-    assert distributed_utils.use_sync_bn(True, cpu, distributed=True) is False
+    assert use_sync_bn(True, cpu, distributed=True) is False
     assert "--sync-bn needs GPUs" in capsys.readouterr().out
 
 

@@ -33,14 +33,13 @@ def test_data_parallel_replicas_run_in_the_chosen_dtype(monkeypatch):
     """DataParallel runs each replica in a thread of its own, where the caller's autocast
     (thread-local) is not in force; torch's parallel_apply re-enters autocast there with the
     device's default dtype (fp16 on CUDA). The replica must still run in --amp's bf16."""
-    import train_single
     from model import plain_state_dict
-    from multi_train_utils.performance import Precision
+    from multi_train_utils.performance import Precision, wrap_data_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(nn, "DataParallel", FakeDataParallel)
     model = tiny_conv_net()
-    wrapped = train_single.wrap_data_parallel(model, torch.device("cuda", 0), Precision("bf16", "cpu"))
+    wrapped = wrap_data_parallel(model, torch.device("cuda", 0), Precision("bf16", "cpu"))
     assert isinstance(wrapped, FakeDataParallel) and wrapped.device_ids == [0, 1]
     dtypes, errors = [], []
     model[0].register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))

@@ -318,7 +318,7 @@ def test_a_resume_whose_files_differ_from_the_checkpoints_warns(hostile_run, cap
     out = hostile_run["out"]
     args = parse_args(get_args_parser(distributed=False), [*hostile_run["flags"], "--resume", "auto"])
     capsys.readouterr()
-    inputs = read_inputs(args, build_datasets)  # the victim is gone: one validation image less
+    inputs = read_inputs(args, build_datasets, torch.device("cpu"))  # the victim is gone: one validation image less
     inputs.output_lock.discard()
     assert inputs.checkpoint["file_list"] == hostile_run["fingerprint"]
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --resume")]

@@ -202,7 +202,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
 
     args = argparse.Namespace(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")
-    resumed = RunRecorder(args, ["a", "b"], enabled=False, checkpoint=state(3),
+    resumed = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False, checkpoint=state(3),
                           resume_path=str(tmp_path / "checkpoint.pth"))
     with pytest.raises(ResourceError) as raised:
         with resumed.explain_faults():
@@ -210,11 +210,11 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
     assert str(raised.value) == (f"out of memory: could not allocate a block of 30.0 GB; use a smaller --batch-size "
                                  f"or --img-size; {tmp_path / 'checkpoint.pth'} (epoch 3) is intact: continue from it "
                                  "with --resume auto")
-    fresh = RunRecorder(args, ["a", "b"], enabled=False)
+    fresh = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False)
     with pytest.raises(ResourceError, match=r"free space on that disk; no checkpoint was written yet$"):
         with fresh.explain_faults():
             raise ResourceError("disk full: could not write x (No space left on device); free space on that disk")
-    fresh.end_epoch(0, None, None, None, None, None, EvalResult(torch.eye(2, dtype=torch.int64)), 1.0)  # rank != 0
+    fresh.end_epoch(0, None, EvalResult(torch.eye(2, dtype=torch.int64)))  # rank != 0
     with pytest.raises(ResourceError, match=r"\(epoch 0\) is intact: continue from it with --resume auto$"):
         with fresh.explain_faults():
             raise RuntimeError(CPU_OUT_OF_MEMORY)
@@ -380,6 +380,6 @@ def test_a_checkpoint_with_a_field_of_the_wrong_kind_is_named_and_resume_auto_fa
     found, checkpoint = ckpt.find_resume_checkpoint("auto", str(run_dir))
     assert found.endswith(ckpt.PREVIOUS_CHECKPOINT) and checkpoint["epoch"] == 4
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    error = error_of(ckpt.restore_training_state, dict(state(1), optimizer=optimizer.state_dict(),
-                                                      rng={"torch": "seed"}), optimizer, 0.1)
+    error = error_of(ckpt.restore_training_state, ckpt.TrainState(None, optimizer),
+                     dict(state(1), optimizer=optimizer.state_dict(), rng={"torch": "seed"}))
     assert str(error).startswith("--resume: the checkpoint's random generator states cannot be restored"), error

@@ -391,6 +391,7 @@ def test_resume_warns_when_files_were_renamed_moved_or_swapped_with_the_same_cou
 def test_the_nan_message_names_the_first_non_finite_step_of_several():
     """Steps 2 (inf) and 4 (nan) are non-finite; the loss is read every 6 steps: the message
     names step 2, with the epoch."""
+    from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.train_eval_utils import LoopSettings, NonFiniteLossError, train_one_epoch
 
     torch.manual_seed(0)
@@ -408,7 +409,7 @@ def test_the_nan_message_names_the_first_non_finite_step_of_several():
     loss_function.to = lambda device: loss_function
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with pytest.raises(NonFiniteLossError) as raised:
-        train_one_epoch(model, optimizer, loader, torch.device("cpu"), 3, settings=LoopSettings(print_freq=6),
-                        loss_function=loss_function)
+        train_one_epoch(TrainState(model, optimizer, loss_function=loss_function), loader, torch.device("cpu"), 3,
+                        LoopSettings(print_freq=6))
     assert "at epoch 3, step 2;" in str(raised.value)
     assert len(calls) == 6  # it stopped at the first read of the loss

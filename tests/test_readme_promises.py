@@ -13,6 +13,7 @@ from PIL import Image
 from torch import nn
 
 from conftest import CLASSES, train_args
+from multi_train_utils.checkpoint import TrainState
 
 
 def run_args(tmp_path, *extra):
@@ -152,7 +153,7 @@ def test_an_earlier_runs_checkpoints_are_refused_before_anything_is_downloaded(t
     touch(out, "model-0.pth")
     args = run_args(tmp_path, "--download", "--data-path", str(tmp_path / "flowers"))
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
-        inputs.read_inputs(args, build_datasets, writer=False)
+        inputs.read_inputs(args, build_datasets, torch.device("cpu"))
 
 
 def fake_all_reduce(others):
@@ -312,7 +313,7 @@ def test_images_per_second_counts_every_ranks_images_and_leaves_out_the_first_tw
     loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
     model = Timed()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    stats = train_one_epoch(model, optimizer, loader, torch.device("cpu"), 0, settings=LoopSettings(print_freq=6))
+    stats = train_one_epoch(TrainState(model, optimizer), loader, torch.device("cpu"), 0, LoopSettings(print_freq=6))
     assert stats.images == 6 * 4 * 2
     assert stats.images_per_second == pytest.approx(8.0)
     assert stats.seconds == pytest.approx(14.0)
@@ -369,19 +370,19 @@ def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
     from multi_train_utils.train_eval_utils import TrainStats
 
     args = run_args(tmp_path, *extra, *(["--model-ema"] if ema_results else []))
-    recorder = RunRecorder(args, classes, enabled=True)
     model = nn.Linear(2, len(classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     ema = ModelEma(model, 0.9) if ema_results else None
+    state = TrainState(model, optimizer, scheduler, ema=ema)
+    recorder = RunRecorder(args, argparse.Namespace(classes=classes), state, enabled=True)
     weights = []
     for epoch, result in enumerate(results):
         with torch.no_grad():
             model.weight.fill_(epoch)  # each epoch's weights are told apart by their value
         weights.append({k: v.clone() for k, v in model.state_dict().items()})
         stats = TrainStats(mean_loss=1.5, images=8, seconds=2.0, last_lr=0.01, images_per_second=4.0)
-        recorder.end_epoch(epoch, model, optimizer, scheduler, None, stats, result, 2.5, ema,
-                           ema_results[epoch] if ema_results else None)
+        recorder.end_epoch(epoch, stats, result, ema_results[epoch] if ema_results else None, seconds=2.5)
     recorder.close()
     return recorder, weights
 
@@ -457,9 +458,11 @@ def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, mo
     path = tmp_path / "out" / "checkpoint.pth"
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     args = run_args(tmp_path)
-    resumed = RunRecorder(args, CLASSES, enabled=False, checkpoint=checkpoint, resume_path=str(path))
+    resumed = RunRecorder(args, argparse.Namespace(classes=CLASSES), enabled=False, checkpoint=checkpoint,
+                          resume_path=str(path))
     assert resumed.log_dir == first.log_dir and os.path.isdir(first.log_dir)
-    elsewhere = RunRecorder(run_args(tmp_path / "new"), CLASSES, enabled=False, checkpoint=checkpoint,
+    elsewhere = RunRecorder(run_args(tmp_path / "new"), argparse.Namespace(classes=CLASSES), enabled=False,
+                            checkpoint=checkpoint,
                             resume_path=str(path))
     assert os.path.dirname(elsewhere.log_dir) == str(tmp_path / "new" / "tb")
 
@@ -474,7 +477,7 @@ def test_best_metric_balanced_accuracy_picks_the_epoch_with_the_higher_balanced_
     epoch1 = EvalResult(torch.tensor([[5, 3], [0, 2]]), None, 1.0)
     recorder, weights = record_epochs(tmp_path, ["a", "b"], [epoch0, epoch1],
                                       extra=["--best-metric", "balanced_accuracy"])
-    assert recorder.best_epoch == 1 and recorder.best_value == pytest.approx(0.8125)
+    assert recorder.state.best.epoch == 1 and recorder.state.best.value == pytest.approx(0.8125)
     best = torch.load(tmp_path / "out" / "model-best.pth", weights_only=True)
     assert torch.equal(best["weight"], weights[1]["weight"])
     with open(tmp_path / "out" / "metrics.csv") as f:
@@ -1021,7 +1024,7 @@ def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, m
 
     monkeypatch.setattr(recorder_module, "save_figure", keep)
     data = Datasets(Labelled([0, 0, 2, 0, 1, 2]), Labelled([2, 0]), ["a", "b", "c"])
-    recorder = RunRecorder(run_args(tmp_path, "--plots"), data.classes, enabled=True)
+    recorder = RunRecorder(run_args(tmp_path, "--plots"), data, enabled=True)
     recorder.plot_data(data, Preview())
     recorder.close()
     assert (tmp_path / "out" / "class_distribution.png").is_file()
@@ -1071,6 +1074,7 @@ def test_no_picture_opens_a_window():
 def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, world_size=1):
     """The lines of print_start_summary for a train_multi_gpu.py run with ``flags``."""
     from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils import summary
     from multi_train_utils.summary import print_start_summary
     from multi_train_utils.train_eval_utils import LoopSettings
     from my_dataset import Datasets
@@ -1079,7 +1083,9 @@ def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, wo
     args = parse_args(get_args_parser(True), ["--model", "resnet18", *flags])
     data = Datasets(Labelled([0, 1, 0, 1]), Labelled([0, 1]), ["a", "b"])
     model = model or nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # 4 x 3 + 3 + 3 x 2 + 2 = 23 parameters
-    print_start_summary(args, data, torch.device("cpu"), LoopSettings(), model, lr, 0, "runs/x", world_size)
+    monkeypatch.setattr(summary, "get_world_size", lambda: world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    print_start_summary(args, data, TrainState(model, optimizer), LoopSettings(), torch.device("cpu"), log_dir="runs/x")
     return capsys.readouterr().out.splitlines()
 
 
@@ -1117,8 +1123,8 @@ def test_the_training_bar_shows_images_per_second_the_eta_and_the_loss(capsys):
     torch.manual_seed(0)
     loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 3))
-    stats = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.01), loader, torch.device("cpu"), 0,
-                            settings=LoopSettings(print_freq=2))
+    stats = train_one_epoch(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01)), loader,
+                            torch.device("cpu"), 0, LoopSettings(print_freq=2))
     final = capsys.readouterr().out.split("\r")[-1].strip()  # the bar as it ends
     bar = re.fullmatch(r"\[train epoch 0\]: 100%\|\S+\| 24/24 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+img/s, loss=(\S+)\]",
                        final)
@@ -1238,7 +1244,8 @@ def test_doctor_report_names_each_gpu_with_its_uuid(tmp_path, monkeypatch):
     env = DistEnv(rank=0, world_size=1, launcher="env")
     facts = doctor.local_facts(args, env, torch.device("cuda:0"), "nccl")
     assert facts["gpu"] == {"name": "NVIDIA H200", "uuid": "GPU-5e6f7a8b-1111-2222-3333-444455556666"}
-    report = doctor.format_report({0: facts}, {}, [], 1, "nccl", "127.0.0.1:29500", 20).splitlines()
+    report = doctor.format_report({0: facts}, {}, [], world_size=1, backend="nccl", rendezvous="127.0.0.1:29500",
+                                  timeout=20).splitlines()
     assert (f"  rank 0: cuda:0 NVIDIA H200 GPU-5e6f7a8b-1111-2222-3333-444455556666 (local rank 0, pid {os.getpid()})"
             in report)
 
@@ -1438,12 +1445,12 @@ def test_training_images_keep_twice_the_crop_size(monkeypatch):
 def test_pin_memory_on_cuda_only():
     from torch.utils.data import BatchSampler
 
-    from utils import make_loaders
+    from utils import make_loader
 
     data = list(range(4))
     sampler = BatchSampler(range(4), 2, drop_last=False)
     for device, pinned in (("cpu", False), ("cuda", True), ("mps", False)):
-        loaders = make_loaders(data, sampler, data, sampler, 0, torch.device(device))
+        loaders = [make_loader(data, sampler, 0, torch.device(device), validation=v) for v in (False, True)]
         assert [loader.pin_memory for loader in loaders] == [pinned, pinned], device
 
 
@@ -1478,8 +1485,14 @@ def test_train_multi_gpu_numbers_its_distributed_steps_1_to_8_in_run_order():
     calls = ["init_distributed_mode(", "make_train_sampler(", "convert_sync_batchnorm(", "DDP(", ".set_epoch(",
              "train_one_epoch(", "recorder.end_epoch(", "cleanup("]
     ends = [line for _, line in steps[1:]] + [len(lines)]
-    for (number, start), end, call in zip(steps, ends, calls):
+    for (number, start), end, call in zip(steps[:7], ends, calls):
         assert any(call in line.split("#")[0] for line in lines[start:end]), (number, call)
+    # 8.: main is wrapped in leaves_process_group, which calls cleanup() on the way out
+    assert lines[lines.index("def main(argv=None):") - 1].startswith("@leaves_process_group")
+    import inspect
+
+    from multi_train_utils.distributed_utils import leaves_process_group
+    assert "cleanup(failed=" in inspect.getsource(leaves_process_group)
 
 
 def test_run_files_is_the_one_module_that_names_args_json_class_indices_json_and_metrics_csv():

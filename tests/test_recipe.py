@@ -14,7 +14,10 @@ from torch import nn
 from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, probe_records, read_metrics, run,
                       run_ranks, script, train_args)
 
+from multi_train_utils.checkpoint import BestEpoch, TrainState
+
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
+CLASSES_AB = argparse.Namespace(classes=["a", "b"])  # the data, as far as RunRecorder reads it
 
 
 def recipe_args(**changes):
@@ -97,7 +100,7 @@ def test_mixing_is_off_unless_asked():
 # --- The loss --------------------------------------------------------------------------------
 
 def test_label_smoothing_and_class_weights_follow_their_formulas():
-    from multi_train_utils.train_eval_utils import create_loss
+    from model import create_loss
 
     logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 0.3], [-0.5, 1.5, 0.0]])
     labels = torch.tensor([0, 2, 1])
@@ -105,14 +108,14 @@ def test_label_smoothing_and_class_weights_follow_their_formulas():
     s = 0.1
     # (1 - s) x -log p(true) + s x mean over the classes of -log p(c)
     smoothed = ((1 - s) * -log_p[range(3), labels] + s * -log_p.mean(dim=1)).mean()
-    torch.testing.assert_close(create_loss(label_smoothing=s)(logits, labels), smoothed)
+    torch.testing.assert_close(create_loss(recipe_args(label_smoothing=s))(logits, labels), smoothed)
     weights = torch.tensor([0.5, 2.0, 1.0])
     weighted = (weights[labels] * -log_p[range(3), labels]).sum() / weights[labels].sum()
-    torch.testing.assert_close(create_loss(class_weights=weights)(logits, labels), weighted)
+    torch.testing.assert_close(create_loss(recipe_args(), class_weights=weights)(logits, labels), weighted)
     plain = -log_p[range(3), labels].mean()
-    torch.testing.assert_close(create_loss()(logits, labels), plain)
+    torch.testing.assert_close(create_loss(recipe_args())(logits, labels), plain)
     soft = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.2, 0.8], [0.5, 0.5, 0.0]])  # MixUp's targets
-    torch.testing.assert_close(create_loss()(logits, soft), -(soft * log_p).sum(dim=1).mean())
+    torch.testing.assert_close(create_loss(recipe_args())(logits, soft), -(soft * log_p).sum(dim=1).mean())
 
 
 def test_balanced_class_weights_come_from_the_training_counts():
@@ -144,9 +147,9 @@ def test_the_loop_mixes_each_batch_and_updates_the_ema_after_each_optimizer_step
             return super().forward(logits, targets)
 
     ema = ModelEma(model, 0.5)
-    train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, torch.device("cpu"), 0,
-                    settings=LoopSettings(accum_steps=2), loss_function=RecordingLoss(), mixer=BatchMixer(3, mixup_alpha=1.0),
-                    ema=ema)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=ema, loss_function=RecordingLoss(),
+                       mixer=BatchMixer(3, mixup_alpha=1.0))
+    train_one_epoch(state, loader, torch.device("cpu"), 0, LoopSettings(accum_steps=2))
     assert [t.shape for t in seen] == [(4, 3)] * 3  # soft targets for every batch
     assert ema.updates == 2  # 3 batches, accumulated 2 by 2: 2 optimizer steps
 
@@ -196,17 +199,17 @@ def test_ema_equals_a_hand_computed_average_after_k_steps():
 # --- Optimizer and schedule ------------------------------------------------------------------
 
 def test_adamw_and_no_decay_on_norm_and_bias():
-    from multi_train_utils.train_eval_utils import create_optimizer
+    from model import create_optimizer
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
-    adamw = create_optimizer(model, 0.01, recipe_args(opt="adamw", weight_decay=0.05, norm_bias_decay=False))
+    adamw = create_optimizer(model, recipe_args(lr=0.01, opt="adamw", weight_decay=0.05, norm_bias_decay=False))
     assert isinstance(adamw, torch.optim.AdamW)
     decayed, free = adamw.param_groups
     assert decayed["weight_decay"] == 0.05 and free["weight_decay"] == 0.0
     assert {id(p) for p in decayed["params"]} == {id(model[0].weight), id(model[3].weight)}
     assert {id(p) for p in free["params"]} == {id(model[0].bias), id(model[1].weight), id(model[1].bias),
                                                 id(model[3].bias)}
-    sgd = create_optimizer(model, 0.01, recipe_args())
+    sgd = create_optimizer(model, recipe_args(lr=0.01))
     assert isinstance(sgd, torch.optim.SGD) and len(sgd.param_groups) == 1
     assert sgd.param_groups[0]["weight_decay"] == 0.005 and sgd.param_groups[0]["momentum"] == 0.9
     assert recipe_args(opt="adamw").weight_decay == 0.005  # set before: parse_args picks the default
@@ -217,12 +220,12 @@ def test_adamw_and_no_decay_on_norm_and_bias():
 
 
 def test_step_schedule_multiplies_by_gamma_every_step_size_epochs_after_the_warmup():
-    from multi_train_utils.train_eval_utils import create_lr_scheduler
+    from model import create_lr_scheduler
 
     def rates(start_epoch=0):
         optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
-        scheduler = create_lr_scheduler(optimizer, 2, 7, warmup_epochs=1, start_epoch=start_epoch,
-                                         schedule="step", step_size=2, gamma=0.5)
+        args = recipe_args(epochs=7, warmup_epochs=1, lr_scheduler="step", lr_step_size=2, lr_gamma=0.5)
+        scheduler = create_lr_scheduler(optimizer, args, 2, start_epoch=start_epoch)
         seen = []
         for _ in range(start_epoch * 2, 14):
             seen.append(optimizer.param_groups[0]["lr"])
@@ -303,7 +306,7 @@ def result_with(correct, total=10, loss=1.0):
 def recorder(**changes):
     from multi_train_utils.recorder import RunRecorder
 
-    return RunRecorder(args=recipe_args(**changes), classes=["a", "b"], enabled=False)
+    return RunRecorder(recipe_args(**changes), CLASSES_AB, TrainState(None), enabled=False)
 
 
 def train_stats():
@@ -315,18 +318,19 @@ def train_stats():
 def test_best_is_the_better_of_model_and_ema_by_best_metric_and_patience_stops():
     runs = recorder(best_metric="loss", patience=2)
     for epoch, (model_loss, ema_loss) in enumerate([(0.9, 0.8), (0.7, 0.75), (0.72, 0.71), (0.8, 0.9)]):
-        assert runs.stop_reason is None
-        runs.end_epoch(epoch, None, None, None, None, train_stats(), result_with(5, loss=model_loss), 1.0,
-                       ema=None, ema_result=result_with(5, loss=ema_loss))
+        assert runs.state.stop_reason is None
+        runs.end_epoch(epoch, train_stats(), result_with(5, loss=model_loss), result_with(5, loss=ema_loss))
     # lowest loss: the model's 0.7 at epoch 1; epochs 2 and 3 bring nothing better: stop after 3
-    assert (runs.best_epoch, runs.best_source, runs.best_value) == (1, "model", pytest.approx(0.7))
-    assert runs.stop_reason is not None
-    assert runs.stop_reason.startswith("stopped early after epoch 3: no better val loss for 2 epochs")
+    best = runs.state.best
+    assert (best.epoch, best.source, best.value) == (1, "model", pytest.approx(0.7))
+    assert runs.state.stop_reason is not None
+    assert runs.state.stop_reason.startswith("stopped early after epoch 3: no better val loss for 2 epochs")
     accuracy = recorder()  # the default: accuracy, higher is better; no patience
-    accuracy.end_epoch(0, None, None, None, None, train_stats(), result_with(6), 1.0, None, result_with(8))
-    accuracy.end_epoch(1, None, None, None, None, train_stats(), result_with(7), 1.0, None, result_with(7))
-    assert (accuracy.best_epoch, accuracy.best_source, accuracy.best_accuracy) == (0, "ema", 0.8)
-    assert accuracy.stop_reason is None
+    accuracy.end_epoch(0, train_stats(), result_with(6), result_with(8))
+    accuracy.end_epoch(1, train_stats(), result_with(7), result_with(7))
+    best = accuracy.state.best
+    assert (best.epoch, best.source, best.accuracy) == (0, "ema", 0.8)
+    assert accuracy.state.stop_reason is None
 
 
 def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_raised():
@@ -335,9 +339,14 @@ def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_rais
     checkpoint = {"epoch": 4, "best_epoch": 1, "best_value": 0.5, "best_accuracy": 0.5,
                   "stopped_early": "stopped early after epoch 4"}
     args = recipe_args(patience=3, epochs=10)
-    assert RunRecorder(args=args, classes=["a", "b"], enabled=False, checkpoint=checkpoint).stop_reason
+
+    def resumed():
+        state = TrainState(None, best=BestEpoch.from_checkpoint(checkpoint))
+        return RunRecorder(args, CLASSES_AB, state, enabled=False, checkpoint=checkpoint).state
+
+    assert resumed().stop_reason
     args.patience = 5
-    assert RunRecorder(args=args, classes=["a", "b"], enabled=False, checkpoint=checkpoint).stop_reason is None
+    assert resumed().stop_reason is None
 
 
 def test_metrics_csv_keeps_its_first_six_columns_and_appends_the_new_ones(tmp_path):

@@ -19,6 +19,7 @@ from multi_train_utils import performance
 from multi_train_utils.errors import RankError, UserError
 from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer, read_image_uint8
+from multi_train_utils.checkpoint import TrainState
 from multi_train_utils.performance import Precision, choose_precision, enable_grad_checkpoint, optimize_model
 from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
@@ -136,7 +137,7 @@ def small_net():
 def train(model, batch_size, settings, images=16, lr=0.1, momentum=0.9):
     loader = DataLoader(RandomImages(images), batch_size=batch_size, shuffle=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    return train_one_epoch(model, optimizer, loader, CPU, 0, settings=settings)
+    return train_one_epoch(TrainState(model, optimizer), loader, CPU, 0, settings)
 
 
 @pytest.mark.parametrize("micro_batch, accum, batch", [(2, 2, 4), (4, 4, 16)])
@@ -264,7 +265,7 @@ def test_compiled_model_with_grad_checkpoint_trains_like_the_plain_one_and_saves
     eager = StagedNet()
     torch.manual_seed(0)
     args = argparse.Namespace(channels_last=None, grad_checkpoint=True, compile=True, model="tiny")
-    compiled, channels_last = optimize_model(StagedNet(), args, CPU, verbose=False)
+    compiled, channels_last = optimize_model(StagedNet(), args, CPU)
     assert channels_last and hasattr(compiled, "_orig_mod")
     before = {k: v.clone() for k, v in eager.state_dict().items()}
     for model in (eager, compiled):

@@ -1,4 +1,5 @@
 """In-process checks of the pieces: split, dataset, samplers, schedule, environment, flags."""
+import argparse
 import os
 import random
 
@@ -93,11 +94,18 @@ def test_shard_sampler_covers_each_index_once():
         assert sorted(i for s in shards for i in s) == list(range(7))
 
 
+def schedule_args(**changes):
+    """The schedule's flags (cosine, no warm-up, --lrf 0.1, one batch per optimizer step), with ``changes``."""
+    flags = dict(epochs=4, warmup_epochs=0, lrf=0.1, lr_scheduler="cosine", lr_step_size=30, lr_gamma=0.1,
+                 accum_steps=1)
+    return argparse.Namespace(**{**flags, **changes})
+
+
 def test_lr_schedule_warms_up_then_follows_cosine_to_lrf():
-    from multi_train_utils.train_eval_utils import create_lr_scheduler
+    from model import create_lr_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    scheduler = create_lr_scheduler(optimizer, steps_per_epoch=10, epochs=5, warmup_epochs=1, lrf=0.1)
+    scheduler = create_lr_scheduler(optimizer, schedule_args(epochs=5, warmup_epochs=1), batches_per_epoch=10)
     lrs = []
     for _ in range(50):
         lrs.append(optimizer.param_groups[0]["lr"])
@@ -260,11 +268,11 @@ def test_resume_auto_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
 def test_the_schedule_continues_where_it_stopped_for_any_world_size():
     """Resumed at epoch 2 with half the steps per epoch (twice the ranks), the rate is what
     the schedule gives at that point, for the new base rate."""
-    from multi_train_utils.train_eval_utils import create_lr_scheduler
+    from model import create_lr_scheduler
 
     def rates(steps, start, base):
         optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base)
-        scheduler = create_lr_scheduler(optimizer, steps, 4, 0, 0.1, start_epoch=start)
+        scheduler = create_lr_scheduler(optimizer, schedule_args(), steps, start_epoch=start)
         out = []
         for _ in range((4 - start) * steps):
             out.append(optimizer.param_groups[0]["lr"])
@@ -279,8 +287,8 @@ def test_the_schedule_continues_where_it_stopped_for_any_world_size():
 def test_restore_derives_the_learning_rate_for_the_new_world_size():
     """Resumed on twice the processes: momentum buffers come from the checkpoint, the rate is
     the newly scaled one, and the schedule starts at the checkpoint's next epoch."""
-    from multi_train_utils.checkpoint import restore_training_state
-    from multi_train_utils.train_eval_utils import create_lr_scheduler
+    from model import create_lr_scheduler
+    from multi_train_utils.checkpoint import TrainState, restore_training_state
 
     weight = torch.nn.Parameter(torch.ones(3))
     before = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
@@ -289,8 +297,8 @@ def test_restore_derives_the_learning_rate_for_the_new_world_size():
     checkpoint = {"optimizer": before.state_dict(), "epoch": 1, "rng": {"torch": torch.get_rng_state()}}
 
     after = torch.optim.SGD([weight], lr=0.2, momentum=0.9)
-    start_epoch = restore_training_state(checkpoint, after, base_lr=0.2)
-    scheduler = create_lr_scheduler(after, steps_per_epoch=5, epochs=4, lrf=0.1, start_epoch=start_epoch)
+    start_epoch = restore_training_state(TrainState(None, after), checkpoint)  # after: created at the new rate
+    scheduler = create_lr_scheduler(after, schedule_args(), 5, start_epoch=start_epoch)
     assert start_epoch == 2
     assert torch.equal(after.state[weight]["momentum_buffer"], torch.full((3,), 0.5))
     assert after.param_groups[0]["initial_lr"] == 0.2

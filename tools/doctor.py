@@ -461,7 +461,7 @@ def _all_reduce_text(results, world_size):
             f"{slowest * 1e3:.1f} ms, {bandwidth}")
 
 
-def format_report(facts, results, findings, world_size, backend, rendezvous, timeout,
+def format_report(facts, results, findings, *, world_size, backend, rendezvous, timeout,
                   not_run="not every rank joined"):
     """The report the lowest joined rank prints: per node its ranks, devices, /dev/shm, cores, free
     disk and set variables; the all-reduce and the barrier; each finding with its fix; the verdict."""
@@ -533,7 +533,8 @@ def check_job(args, env, device, backend):
         findings = _unique_findings({0: facts}) + [finding(
             "one process: no launcher's variables (RANK, WORLD_SIZE, or SLURM's under srun)",
             "run the doctor the way training runs: torchrun ..., srun ..., or --spawn N", "hint")]
-        print(format_report({0: facts}, {}, findings, 1, backend, "none", args.timeout, "one process"), flush=True)
+        print(format_report({0: facts}, {}, findings, world_size=1, backend=backend, rendezvous="none",
+                            timeout=args.timeout, not_run="one process"), flush=True)
         return exit_code(findings)
     began = time.monotonic()
     tcp_store, failure = connect_store(env, args.timeout)
@@ -573,8 +574,8 @@ def report_missing(args, env, backend, store, missing):
     findings = [finding(what, "its node is down, started late or failed before joining (see its output), or it "
                               f"cannot reach MASTER_ADDR:MASTER_PORT {_rendezvous()} (firewall, wrong MASTER_ADDR): "
                               "start every node within --timeout; under SLURM, srun --kill-on-bad-exit=1")]
-    print(format_report(facts, {}, findings + _unique_findings(facts), env.world_size, backend, _rendezvous(),
-                        args.timeout), flush=True)
+    print(format_report(facts, {}, findings + _unique_findings(facts), world_size=env.world_size, backend=backend,
+                        rendezvous=_rendezvous(), timeout=args.timeout), flush=True)
     return 1
 
 
@@ -601,8 +602,8 @@ def check_collectives(args, env, device, backend, store):
         facts = with_shared_cores({r: store.get(f"joined/{r}") for r in range(env.world_size)}, backend)
         findings = _unique_findings(facts) + job_findings(facts, results, env.world_size, backend, args.timeout)
         findings.sort(key=lambda f: f["kind"] != "problem")
-        print(format_report(facts, results, findings, env.world_size, backend, _rendezvous(), args.timeout),
-              flush=True)
+        print(format_report(facts, results, findings, world_size=env.world_size, backend=backend,
+                            rendezvous=_rendezvous(), timeout=args.timeout), flush=True)
         code = exit_code(findings)
         store.set("done", code)
         # Rank 0 may host the store: the others read "done" before it goes.

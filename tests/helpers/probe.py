@@ -105,7 +105,8 @@ def build_model(*args, **kwargs):
 real_train_one_epoch = target.train_one_epoch
 
 
-def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs):
+def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
+    model = state.model
     if os.environ.get("PROBE_RAISE_RANK") == str(rank):
         raise RuntimeError(f"probe: rank {rank} fails")
     if os.environ.get("PROBE_HANG_RANK") == str(rank):
@@ -118,7 +119,7 @@ def train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwarg
     if remove_path and epoch == int(remove_epoch) and rank == 0:
         os.remove(remove_path)
     record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
-    stats = real_train_one_epoch(model, optimizer, data_loader, device, epoch, *args, **kwargs)
+    stats = real_train_one_epoch(state, data_loader, device, epoch, *args, **kwargs)
     if os.environ.get("PROBE_SKEW_BN") == "1" and rank != 0:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
