@@ -12,9 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from multi_train_utils.errors import UserError
-from multi_train_utils.image_files import IMG_EXTENSIONS, find_image_files, list_entries, no_file_at
+from multi_train_utils.images import IMG_EXTENSIONS, find_image_files, list_entries, no_file_at, unreadable_reason
 from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported: the tutorial's place)
-from multi_train_utils.images import unreadable_reason
 from multi_train_utils.signals import reset_in_worker
 
 # Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
@@ -62,7 +61,7 @@ def _class_folders(root, flag):
 
 
 def list_images(folder):
-    """Image files in ``folder`` and its sub-folders (see ``image_files.find_image_files``), sorted."""
+    """Image files in ``folder`` and its sub-folders (see ``images.find_image_files``), sorted."""
     return sorted(find_image_files(folder).paths)
 
 
