@@ -42,8 +42,8 @@ from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.run_files import read_metrics
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
-from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, image_file_datasets
-from utils import make_loader, read_split_data, stack_batch
+from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, image_file_datasets, make_loader, stack_batch
+from utils import read_split_data
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}

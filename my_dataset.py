@@ -1,4 +1,4 @@
-"""The datasets to train on: ``build_datasets`` is the one function to edit for your own data.
+"""The datasets to train on, and their batches: ``build_datasets`` is the function to edit for your data.
 
 What both training scripts need from a dataset (the contract):
 
@@ -22,10 +22,11 @@ import random
 from typing import List, Mapping, NamedTuple, Sequence
 
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from multi_train_utils.images import build_transforms, read_image_uint8, resize_size
 from multi_train_utils.process import get_rank, get_world_size
+from multi_train_utils.signals import reset_in_worker
 from utils import read_label_files, read_split_data
 
 
@@ -188,3 +189,34 @@ class ShardSampler(Sampler):
 
     def __len__(self):
         return len(self.indices)
+
+
+# Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
+MAX_VAL_WORKERS = 2
+
+
+def stack_batch(batch):
+    """The loaders' collate_fn: images stacked into one tensor, labels into another."""
+    images, labels = tuple(zip(*batch))
+    return torch.stack(images, dim=0), torch.as_tensor(labels)
+
+
+def make_loader(dataset, batch_sampler, workers, device, validation=False):
+    """A DataLoader over a batch sampler. Training: ``workers``, kept alive between epochs.
+    ``validation``: at most MAX_VAL_WORKERS, started for each pass (a short pass: more
+    workers, kept alive, would only hold memory and processes, per rank, all epoch long)."""
+    persistent = not validation
+    workers = min(workers, MAX_VAL_WORKERS) if validation else workers
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=persistent and workers > 0,
+        collate_fn=stack_batch,
+        worker_init_fn=reset_in_worker,
+        # its own generator: creating the loader's iterator must not draw from the global
+        # one, which seed_epoch sets for the model
+        generator=torch.Generator().manual_seed(0),
+    )
+

@@ -28,8 +28,7 @@ from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import LoopSettings, evaluate, train_one_epoch
-from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, seed_epoch
-from utils import make_loader
+from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, make_loader, seed_epoch
 
 
 def main(argv=None):

@@ -1,23 +1,17 @@
-"""Data helpers: class folders or CSV label files, their train/val split, and the loader.
+"""Which files, with which labels: class folders or CSV label files, and their train/val split.
 
-The transforms come from ``multi_train_utils.images`` (``build_transforms`` is re-exported),
-the datasets from ``my_dataset.build_datasets``.
-"""
+The first steps of a file's way; then ``my_dataset`` makes datasets and batches of them, and
+``multi_train_utils.images`` decodes and transforms (``build_transforms`` is re-exported here,
+the tutorial's place)."""
 import csv
 import os
 import random
 from typing import Dict, List, NamedTuple
 
-import torch
-from torch.utils.data import DataLoader
-
 from multi_train_utils.errors import UserError
 from multi_train_utils.images import IMG_EXTENSIONS, find_image_files, list_entries, no_file_at, unreadable_reason
 from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported: the tutorial's place)
-from multi_train_utils.signals import reset_in_worker
 
-# Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
-MAX_VAL_WORKERS = 2
 
 # The tutorial's data: 5 class folders, 3670 JPEGs (--download fetches and checks it).
 FLOWER_PHOTOS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
@@ -265,30 +259,3 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
                         f"--val-list {val_list}: none of its images can be read")
     return _nonempty_split((train_images, train_labels), (val_images, val_labels), classes, skipped,
                            val_rate=val_rate, val_list=val_list)
-
-
-def stack_batch(batch):
-    """The loaders' collate_fn: images stacked into one tensor, labels into another."""
-    images, labels = tuple(zip(*batch))
-    return torch.stack(images, dim=0), torch.as_tensor(labels)
-
-
-def make_loader(dataset, batch_sampler, workers, device, validation=False):
-    """A DataLoader over a batch sampler. Training: ``workers``, kept alive between epochs.
-    ``validation``: at most MAX_VAL_WORKERS, started for each pass (a short pass: more
-    workers, kept alive, would only hold memory and processes, per rank, all epoch long)."""
-    persistent = not validation
-    workers = min(workers, MAX_VAL_WORKERS) if validation else workers
-    return DataLoader(
-        dataset,
-        batch_sampler=batch_sampler,
-        num_workers=workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=persistent and workers > 0,
-        collate_fn=stack_batch,
-        worker_init_fn=reset_in_worker,
-        # its own generator: creating the loader's iterator must not draw from the global
-        # one, which seed_epoch sets for the model
-        generator=torch.Generator().manual_seed(0),
-    )
-

@@ -1445,7 +1445,7 @@ def test_training_images_keep_twice_the_crop_size(monkeypatch):
 def test_pin_memory_on_cuda_only():
     from torch.utils.data import BatchSampler
 
-    from utils import make_loader
+    from my_dataset import make_loader
 
     data = list(range(4))
     sampler = BatchSampler(range(4), 2, drop_last=False)

@@ -53,7 +53,7 @@ def epoch_images(train_set, seed, epochs, workers):
     from torch.utils.data import BatchSampler, DistributedSampler
 
     from my_dataset import EpochIndexSampler
-    from utils import make_loader
+    from my_dataset import make_loader
 
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)
     loader = make_loader(train_set, BatchSampler(EpochIndexSampler(sampler), 4, drop_last=True), workers,
