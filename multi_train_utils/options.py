@@ -205,8 +205,8 @@ def add_run_flags(group):
     group.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
                        help="draw the class distribution, a batch, the curves and the confusion matrix")
     group.add_argument("--keep-last", type=in_range(int, lambda v: v >= 0, "be 0 (keep all) or more"), default=1,
-                       metavar="K", help="keep the last K model-{epoch}.pth; 0 keeps all "
-                                         "(default: 1, the last epoch's)")
+                       metavar="K", help="keep the last K model-{epoch}.pth; 0 keeps all; "
+                                         "default: 1, the last epoch's")
     group.add_argument("--best-metric", default="accuracy",
                        choices=["accuracy", "balanced_accuracy", "macro_f1", "loss"],
                        help="validation metric that picks model-best.pth (loss: the lowest)")
