@@ -48,19 +48,18 @@ def read_inputs(args, build_datasets, device):
     return inputs
 
 
-def _read_inputs(args, build_datasets, local_rank=0, world_size=1, writer=True):
-    """read_inputs on one rank; ``writer``: rank 0, which locks, warns and downloads weights."""
-    verbose = writer
-    lock = lock_output_dir(args.output_dir) if writer and not args.eval_only else None
-    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, verbose)
+def _read_inputs(args, build_datasets, local_rank=0, world_size=1, main=True):
+    """read_inputs on one rank; ``main``: rank 0, which locks, warns and downloads weights."""
+    lock = lock_output_dir(args.output_dir) if main and not args.eval_only else None
+    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, main)
     if not args.eval_only:  # before --download or --demo fetch or write anything
         check_output_dir(args.output_dir, args.overwrite, resume_path)
     data = load_data(args, build_datasets, local_rank, world_size)
     if checkpoint is not None:
         check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
-        if verbose:
+        if main:
             warn_if_files_changed(checkpoint, resume_path, data)
-    weights = read_weights(args.weights, args.model, progress=verbose) if args.weights and not checkpoint else None
+    weights = read_weights(args.weights, args.model, progress=main) if args.weights and not checkpoint else None
     return RunInputs(data, weights, resume_path, checkpoint, lock)
 
 

@@ -10,7 +10,7 @@ from multi_train_utils.balance import imbalance_warning, label_counts, training_
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
-from multi_train_utils.process import get_world_size, is_main_process
+from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 
 RULE = "-" * 78
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
@@ -32,7 +32,7 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
         return
     world_size, job = get_world_size(), current_job()
     launcher = "single process" if job is None else job.launcher
-    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "-"
+    backend = dist.get_backend() if is_dist_avail_and_initialized() else "-"
     model, lr = state.model, state.optimizer.param_groups[0]["lr"]
     print(RULE)
     if world_size > 1 and device.type == "cuda":
