@@ -24,6 +24,8 @@ from typing import List, Mapping, NamedTuple, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from multi_train_utils.errors import MidRunError, UnreadableImage
+from multi_train_utils.file_list import PathList, compact_labels, listed_once
 from multi_train_utils.images import build_transforms, read_image_uint8, resize_size
 from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.signals import reset_in_worker
@@ -60,10 +62,11 @@ def build_datasets(args):
 
     Errors a user can fix (a missing folder, a bad file) should be ``UserError``s: one line.
     """
+    check = getattr(args, "check_images", False)  # open every image first (slow on large data)
     if args.train_list:
-        split = read_label_files(args.train_list, args.val_list, args.val_rate, args.seed)
+        split = listed_once(lambda: read_label_files(args.train_list, args.val_list, args.val_rate, args.seed, check))
     else:
-        split = read_split_data(args.data_path, args.val_rate, args.seed, args.val_path)
+        split = listed_once(lambda: read_split_data(args.data_path, args.val_rate, args.seed, args.val_path, check))
     return image_file_datasets(split, args.img_size, augment_settings(args))
 
 
@@ -82,9 +85,19 @@ def image_file_datasets(split, img_size, augment=None):
     # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random
     # crops of a quarter of the image or more lose nothing), validation its resize size.
     val_side = augment.get("val_resize_size") or resize_size(img_size)
-    train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size)
-    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=val_side)
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_transform, keep_side=2 * img_size,
+                      if_unreadable="replace")
+    val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=val_side,
+                    if_unreadable="leave out")
     return Datasets(train, val, split.classes, skipped=split.skipped, skip_reasons=split.skip_reasons, notes=split.notes)
+
+
+# A file the loader cannot read: "stop" the run, "replace" it by the next readable image
+# (training), or "leave out" (validation: the label -1, which evaluation does not count).
+IF_UNREADABLE = ("stop", "replace", "leave out")
+# This many unreadable files in a row stop the run: the data itself is likely gone.
+MAX_UNREADABLE_IN_A_ROW = 10
+LEFT_OUT = -1  # the label of an image left out of validation
 
 
 class MyDataSet(Dataset):
@@ -93,25 +106,50 @@ class MyDataSet(Dataset):
     Items are (uint8 image tensor, label): the transforms augment uint8 tensors, and the
     training loop converts to float and normalises on the device (fewer bytes to copy).
     ``keep_side`` lets large JPEGs be decoded at reduced size (see ``images.read_image_uint8``).
+    Paths and labels are held compactly (``file_list.PathList``), so that forked loader
+    workers do not copy them. ``if_unreadable`` (one of IF_UNREADABLE) says what an image
+    that cannot be read or decoded does; each one met is a warning line naming it.
     """
 
-    def __init__(self, images_path, images_class, transform=None, keep_side=None):
-        self.images_path = images_path
-        self.images_class = images_class
+    def __init__(self, images_path, images_class, transform=None, keep_side=None, if_unreadable="stop"):
+        self.images_path = images_path if isinstance(images_path, PathList) else PathList(images_path)
+        self.images_class = compact_labels(images_class)
         self.transform = transform
         self.keep_side = keep_side
+        self.if_unreadable = if_unreadable
 
     @property
     def targets(self):
         """The label of every image (as torchvision's ImageFolder calls them)."""
-        return self.images_class
+        return self.images_class.tolist()
 
     def __len__(self):
         return len(self.images_path)
 
     def __getitem__(self, index):
+        if self.if_unreadable == "stop":
+            return self._load(index)
+        first = None
+        for step in range(min(MAX_UNREADABLE_IN_A_ROW, len(self))):
+            try:
+                return self._load((index + step) % len(self))
+            except UnreadableImage as e:
+                first = first or e
+                if self.if_unreadable == "leave out":
+                    print(f"warning: {e}; left out of this validation", flush=True)
+                    return self._placeholder(), LEFT_OUT
+                print(f"warning: {e}; the next image of the training set takes its place", flush=True)
+        raise MidRunError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row cannot be read, from {first}: is the data "
+                          "still there (a folder moved, a network file system gone)?")
+
+    def _load(self, index):
         img = read_image_uint8(self.images_path[index], self.keep_side)
-        return (self.transform(img) if self.transform is not None else img), self.images_class[index]
+        return (self.transform(img) if self.transform is not None else img), int(self.images_class[index])
+
+    def _placeholder(self):
+        """A black image of the size the transform gives (what an image left out occupies in its batch)."""
+        image = torch.zeros(3, 1, 1, dtype=torch.uint8)
+        return self.transform(image) if self.transform is not None else image
 
 
 class SeededSamples(Dataset):

@@ -6,6 +6,7 @@ the tutorial's place)."""
 import csv
 import os
 import random
+from collections import Counter
 from typing import Dict, List, NamedTuple
 
 from multi_train_utils.errors import UserError
@@ -59,9 +60,23 @@ def list_images(folder):
     return sorted(find_image_files(folder).paths)
 
 
-def _scan_class_folders(root, classes, flag):
-    """Readable images and labels of every class folder (sub-folders included); the skipped
-    files with the reason of each. Fails on a class with no images."""
+def readable_images(paths, reasons):
+    """The files of ``paths`` that PIL opens as images (each is opened: slow on large data);
+    why each other one is left out goes into ``reasons``."""
+    readable = []
+    for path in paths:
+        reason = unreadable_reason(path)
+        if reason is None:
+            readable.append(path)
+        else:
+            reasons[path] = reason
+    return readable
+
+
+def _scan_class_folders(root, classes, flag, check_images=False):
+    """Images (by extension; with ``check_images`` only those PIL opens) and labels of every
+    class folder, sub-folders included; the skipped files with the reason of each. Fails on a
+    class with no images."""
     images, labels, reasons = [], [], {}
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
@@ -69,13 +84,9 @@ def _scan_class_folders(root, classes, flag):
             raise UserError(f"{flag} {root}: class folder {name!r} is missing (the training data has it)")
         found = find_image_files(folder)
         reasons.update(found.problems)
-        readable = []
-        for path in sorted(found.paths):
-            reason = unreadable_reason(path)
-            if reason is None:
-                readable.append(path)
-            else:
-                reasons[path] = reason
+        readable = sorted(found.paths)
+        if check_images:
+            readable = readable_images(readable, reasons)
         if not readable:
             raise UserError(
                 f"{flag} {root}: class folder {name!r} has no images "
@@ -86,7 +97,7 @@ def _scan_class_folders(root, classes, flag):
     return images, labels, reasons
 
 
-def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
+def read_split_data(root, val_rate=0.2, seed=0, val_root=None, check_images=False):
     """Find the images of each class folder of ``root`` and split them into train and val.
 
     The split is stratified (``round(n * val_rate)`` images of each class go to val) and
@@ -94,9 +105,12 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
     neither on ``os.listdir`` order nor on global random state. With ``val_root`` (same class
     folders) nothing is split: all of ``root`` trains and all of ``val_root`` validates.
     Images in sub-folders of a class folder belong to the class, as in torchvision's
-    ImageFolder (symlinks followed, each real file once). Files with an image extension that
-    PIL cannot open, and entries that cannot be followed (a symlink loop), are skipped and
-    listed in ``skipped``, with the reason of each in ``skip_reasons``.
+    ImageFolder (symlinks followed, each real file once). No image is opened: files are found
+    by their extension, as ImageFolder finds them, and a file that turns out unreadable is
+    handled when the loader meets it (``my_dataset.MyDataSet``). With ``check_images`` every
+    file is opened first and those PIL cannot open are skipped. Skipped files, and entries
+    that cannot be followed (a symlink loop), are listed in ``skipped``, with the reason of
+    each in ``skip_reasons``.
     """
     classes, skipped = _class_folders(root, "--data-path")
     if val_root is not None:
@@ -106,11 +120,11 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None):
                 f"--val-path {val_root}: class folders {val_classes} differ from --data-path's {classes}; "
                 "use the same class folder names"
             )
-        train_images, train_labels, reasons = _scan_class_folders(root, classes, "--data-path")
-        val_images, val_labels, val_reasons = _scan_class_folders(val_root, classes, "--val-path")
+        train_images, train_labels, reasons = _scan_class_folders(root, classes, "--data-path", check_images)
+        val_images, val_labels, val_reasons = _scan_class_folders(val_root, classes, "--val-path", check_images)
         skipped.update({**reasons, **val_skipped, **val_reasons})
     else:
-        images, labels, reasons = _scan_class_folders(root, classes, "--data-path")
+        images, labels, reasons = _scan_class_folders(root, classes, "--data-path", check_images)
         skipped.update(reasons)
         train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
     if len(classes) < 2:
@@ -130,9 +144,9 @@ def _nonempty_split(train, val, classes, skipped, val_rate, val_list=None):
     (train_images, train_labels), (val_images, val_labels) = train, val
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
-    notes = []
+    notes, train_counts = [], Counter(train_labels)
     for label in sorted(set(range(len(classes))) - set(val_labels)):
-        count = train_labels.count(label)
+        count = train_counts[label]
         why, fix = ((f"--val-list {val_list} lists none of its {count}", "list some of them there") if val_list else
                     (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
         notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
@@ -149,16 +163,19 @@ def split_by_class(images, labels, classes, val_rate, seed):
         raise UserError(f"--val-rate {val_rate}: must be at least 0 and below 1 (e.g. 0.2)")
     rng = random.Random(seed)
     train_images, train_labels, val_images, val_labels = [], [], [], []
-    for label in range(len(classes)):
-        members = [p for p, y in zip(images, labels) if y == label]
-        rng.shuffle(members)
+    by_class = [[] for _ in classes]
+    for path, label in zip(images, labels):
+        by_class[label].append(path)
+    for label, members in enumerate(by_class):
+        shuffled = list(members)
+        rng.shuffle(shuffled)
         n_val = int(round(len(members) * val_rate))
         if n_val and n_val == len(members):
             raise UserError(
                 f"--val-rate {val_rate}: class {classes[label]!r} has only {len(members)} image(s), all of "
                 "them would go to validation; lower --val-rate or add images"
             )
-        val_set = set(members[:n_val])
+        val_set = set(shuffled[:n_val])
         for path in sorted(members):
             if path in val_set:
                 val_images.append(path)
@@ -207,38 +224,39 @@ def _read_label_file(path, flag):
     return rows
 
 
-def _readable_rows(rows, classes, path, flag):
-    """Images and labels of the rows whose file opens as an image, and {skipped file: why}."""
-    images, labels, skipped = [], [], {}
+def _readable_rows(rows, classes, path, flag, check_images=False):
+    """Images and labels of the rows (with ``check_images``, of those whose file opens as an
+    image), and {skipped file: why}."""
+    images, labels, skipped, label_of = [], [], {}, {name: label for label, name in enumerate(classes)}
     for image, name, line in rows:
-        if name not in classes:
+        if name not in label_of:
             raise UserError(f"{flag} {path}, line {line}: class {name!r} is not one of the training classes "
                             f"{classes}; fix the label or add the class to --train-list")
-        reason = unreadable_reason(image)
-        if reason is None:
-            images.append(image)
-            labels.append(classes.index(name))
-        else:
-            skipped[image] = reason
+        if check_images and image not in readable_images([image], skipped):
+            continue
+        images.append(image)
+        labels.append(label_of[name])
     return images, labels, skipped
 
 
-def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
+def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False):
     """Images and labels listed in CSV files (header ``path,label``, the label a class name,
     paths relative to the CSV), as ``read_split_data`` returns them for folders.
 
     The classes are the sorted labels of ``train_list``. Without ``val_list`` the training
-    list is split as folders are (stratified, seeded). Listed files that PIL cannot open are
-    skipped (and listed in ``skipped``); a class of ``train_list`` left without images, a
+    list is split as folders are (stratified, seeded). No image is opened, unless
+    ``check_images``: then listed files that PIL cannot open are skipped (and listed in
+    ``skipped``). A class of ``train_list`` left without images, a
     class in ``val_list`` that ``train_list`` lacks, and a missing file are errors.
     """
     rows = _read_label_file(train_list, "--train-list")
     classes = sorted({name for _, name, _ in rows})
     if len(classes) < 2:
         raise UserError(f"--train-list {train_list}: found 1 class ({classes[0]}); a classifier needs at least 2")
-    images, labels, skipped = _readable_rows(rows, classes, train_list, "--train-list")
+    images, labels, skipped = _readable_rows(rows, classes, train_list, "--train-list", check_images)
+    present = set(labels)
     for label, name in enumerate(classes):
-        if label not in labels:
+        if label not in present:
             raise UserError(f"--train-list {train_list}: class {name!r} has no readable images; "
                             "add images or remove its lines")
     if val_list is None:
@@ -251,7 +269,7 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0):
             if image in in_train:
                 raise UserError(f"--val-list {val_list}, line {line}: {image} is in --train-list too (line "
                                 f"{in_train[image]}); validate on images the model does not train on")
-        val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list")
+        val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list", check_images)
         skipped.update(val_skipped)
     if not val_images:
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "

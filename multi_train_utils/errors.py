@@ -36,6 +36,12 @@ class MidRunError(RankError):
     adds which checkpoint is intact and how to resume (``RunRecorder.explain_faults``)."""
 
 
+class UnreadableImage(MidRunError):
+    """An image file met by the loader that cannot be read or decoded (gone, no permission,
+    corrupt, too many pixels): ``my_dataset.MyDataSet`` replaces it (training) or leaves it
+    out (validation)."""
+
+
 def printable(name):
     """``name`` (text, or a path as bytes) safe to print and to write as UTF-8: the bytes of a
     file name that are not UTF-8 (which Python holds as lone surrogates) appear as ``\\xe9``

@@ -8,6 +8,7 @@ uint8 tensors, upright as their EXIF orientation says (a phone's portrait photo)
 on the device. Training, evaluation, predict.py, export.py and benchmark.py all use this one."""
 import inspect
 import io
+import operator
 import os
 import re
 import stat
@@ -25,7 +26,7 @@ except ImportError:
 if decode_jpeg is not None and "apply_exif_orientation" not in inspect.signature(decode_jpeg).parameters:
     decode_jpeg = None  # an older torchvision would decode portrait photos sideways: PIL decodes them
 
-from multi_train_utils.errors import MidRunError, RankError
+from multi_train_utils.errors import UnreadableImage
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -58,11 +59,6 @@ def is_hidden(name):
     return name.startswith(".")
 
 
-def has_image_extension(name):
-    """An image file by its extension, any case."""
-    return os.path.splitext(name)[1].lower() in IMG_EXTENSIONS
-
-
 def no_file_at(path):
     """True where no file is (a listed image that is missing); one that exists but cannot be
     opened (a symlink loop, no permission) is there: it is skipped later, with the reason."""
@@ -76,15 +72,15 @@ def no_file_at(path):
 
 def find_image_files(folder):
     """Image files (by extension) in ``folder`` and all its sub-folders."""
-    found = FoundFiles([], {})
-    seen_files, seen_folders = set(), set()
+    problems, listed = {}, []  # listed: (real path of a folder, its image files, those that are links)
+    seen_folders = set()
     # depth first, in sorted order; each entry: (path, real paths of the folders above it)
     todo = [(folder, frozenset())]
     while todo:
         path, above = todo.pop()
         real, parent = os.path.realpath(path), os.path.realpath(os.path.dirname(path))
         if real in above or parent == real or parent.startswith(real.rstrip(os.sep) + os.sep):
-            found.problems[path] = f"a symbolic link loop (it leads back to {real}, a folder above it)"
+            problems[path] = f"a symbolic link loop (it leads back to {real}, a folder above it)"
             continue
         if real in seen_folders:
             continue  # reached before through another link: its files are in already
@@ -92,25 +88,48 @@ def find_image_files(folder):
         try:
             entries = list_entries(path)
         except OSError as e:
-            found.problems[path] = f"cannot be read ({e.strerror})"
+            problems[path] = f"cannot be read ({e.strerror})"
             continue
-        found.problems.update(entries.problems)
-        for file in filter(has_image_extension, entries.files):
-            # resolving every file would cost a dozen system calls each: only links need it
-            real_file = os.path.realpath(file) if file in entries.links else os.path.join(real, os.path.basename(file))
-            if real_file not in seen_files:
-                seen_files.add(real_file)
-                found.paths.append(file)
+        problems.update(entries.problems)
+        listed.append((real, [file for file in entries.files if file.lower().endswith(IMG_EXTENSIONS)],
+                       entries.links))
         todo += [(sub, above | {real}) for sub in reversed(entries.folders)]
-    return found
+    if not any(links for _, _, links in listed):  # distinct real folders hold distinct files
+        return FoundFiles([file for _, files, _ in listed for file in files], problems)
+    return FoundFiles(_first_of_each_real_file(listed), problems)
+
+
+def _first_of_each_real_file(listed):
+    """The files of ``listed`` ((real folder, files, links) in walk order), each real file
+    once, where it comes first; only links are resolved (a dozen system calls each)."""
+    seen, kept = set(), []
+    for real_folder, files, links in listed:
+        for file in files:
+            real_file = os.path.realpath(file) if file in links else os.path.join(real_folder, os.path.basename(file))
+            if real_file not in seen:
+                seen.add(real_file)
+                kept.append(file)
+    return kept
+
+
+_NAME = operator.attrgetter("name")
 
 
 def list_entries(folder):
     """The visible entries of ``folder`` (symlinks followed), sorted by name; OSError if it cannot be listed."""
     entries = Entries([], [], set(), {})
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if is_hidden(entry.name):
+    with os.scandir(folder) as listing:
+        found = sorted(listing, key=_NAME)
+    for entry in found:
+        if entry.name.startswith("."):  # hidden (is_hidden, inlined: a million calls on ImageNet)
             continue
+        if not entry.is_symlink():  # the common case, from the directory listing alone
+            if entry.is_file():
+                entries.files.append(entry.path)
+                continue
+            if entry.is_dir():
+                entries.folders.append(entry.path)
+                continue
         kind = _kind(entry)
         if kind == "folder":
             entries.folders.append(entry.path)
@@ -196,9 +215,9 @@ def load_rgb(path):
                 img = img.point(lambda v: v / 256).convert("L")
             return img.convert("RGB")
     except Image.DecompressionBombError as e:
-        raise RankError(f"cannot decode image {path}: {too_many_pixels(e)}") from None
+        raise UnreadableImage(f"cannot decode image {path}: {too_many_pixels(e)}") from None
     except (OSError, ValueError, SyntaxError) as e:
-        raise RankError(f"cannot decode image {path} ({e}); delete or replace the file") from None
+        raise UnreadableImage(f"cannot decode image {path} ({e}); delete or replace the file") from None
 
 
 def read_image_uint8(path, keep_side=None):
@@ -208,7 +227,7 @@ def read_image_uint8(path, keep_side=None):
     formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
     is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
     the JPEG decoder) with its shorter side still at least ``keep_side``. A file that is gone
-    or cannot be opened is a MidRunError naming it.
+    or cannot be opened or decoded is an UnreadableImage naming it.
     """
     data = _read_bytes(path)
     if data.startswith(JPEG_MAGIC) and decode_jpeg is not None:
@@ -229,10 +248,10 @@ def _read_bytes(path):
         with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise MidRunError(f"image {path} is gone (deleted or moved after the data was listed); put it back, "
+        raise UnreadableImage(f"image {path} is gone (deleted or moved after the data was listed); put it back, "
                           "or take it out of the data") from None
     except OSError as e:
-        raise MidRunError(f"image {path} cannot be read ({e.strerror}); fix it or take it out of the data") from None
+        raise UnreadableImage(f"image {path} cannot be read ({e.strerror}); fix it or take it out of the data") from None
 
 
 def _decode_jpeg_reduced(data, keep_side, path):
@@ -245,7 +264,7 @@ def _decode_jpeg_reduced(data, keep_side, path):
             img.draft("RGB", (max(1, round(width * scale)), max(1, round(height * scale))))
             return pil_to_tensor(upright(img).convert("RGB"))
     except Image.DecompressionBombError as e:
-        raise RankError(f"cannot decode image {path}: {too_many_pixels(e)}") from None
+        raise UnreadableImage(f"cannot decode image {path}: {too_many_pixels(e)}") from None
     except (OSError, ValueError, SyntaxError):
         return None  # undecodable: the full-size path reports it
 

@@ -145,6 +145,9 @@ def add_data_flags(group):
     group.add_argument("--val-list", default=None, metavar="CSV",
                        help="with --train-list: the validation CSV (default: split --train-list)")
     group.add_argument("--val-rate", type=finite_float, default=0.2, help="share of each class held out for validation")
+    group.add_argument("--check-images", action=argparse.BooleanOptionalAction, default=False,
+                       help="open every image before training and skip those that fail (slow on large data; "
+                            "default: a bad file is handled when met, see docs/data.md)")
     group.add_argument("--num-classes", "--num_classes", type=int, default=None,
                        help="number of classes (default: the data's; another value is an error)")
     group.add_argument("--img-size", type=POSITIVE_INT, default=224, help="training crop and validation size in pixels")

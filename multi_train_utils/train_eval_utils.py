@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from model import set_train_mode
 from multi_train_utils.distributed_utils import all_reduce_sum, broadcast_buffers, reduce_value
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import MidRunError, UserError
 from multi_train_utils.images import DeviceNormalizer
 from multi_train_utils.performance import Precision
 from multi_train_utils.process import get_world_size, is_main_process
@@ -67,6 +67,7 @@ class EvalResult:
     confusion: torch.Tensor
     top5_correct: Optional[int] = None  # None with 5 classes or fewer, where top-5 is always 100 %
     loss_sum: float = math.nan  # cross-entropy summed over the images (no smoothing, no class weights)
+    left_out: int = 0  # validation images that could not be read (not in the counts)
 
     @property
     def correct(self):
@@ -273,7 +274,8 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     weights rank 0 saves. Runs the module inside DDP, not the wrapper: ranks may have
     different numbers of batches, and DDP's forward may broadcast buffers, a collective the
     shorter rank would never join. The counts stay on the device until the end (no host sync
-    per batch), and a short last batch is padded to the batch size (``pad_batch``).
+    per batch), and a short last batch is padded to the batch size (``pad_batch``). An image
+    labelled LEFT_OUT (-1: the dataset could not read it) is not counted but in ``left_out``.
     """
     settings = settings or LoopSettings()
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -281,16 +283,19 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     broadcast_buffers(model)
     model.eval()
     to_device = DeviceNormalizer(device, settings.channels_last)
-    # One counter tensor, so one all-reduce: the confusion matrix, then the top-5 hits.
+    # One counter tensor, so one all-reduce: the confusion matrix, the top-5 hits, the images left out.
     cells = num_classes * num_classes
     top5 = num_classes > 5
-    counts = torch.zeros(cells + 1, dtype=torch.int64, device=device)
+    counts = torch.zeros(cells + 2, dtype=torch.int64, device=device)
     loss_sum = torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
     batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
     for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
         images, labels = to_device(images, labels)
         batch_size = batch_size or len(labels)
         images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
+        left_out = labels < 0
+        counts[cells + 1:].add_((left_out * weights).sum())
+        weights, labels = weights * ~left_out, labels.clamp(min=0)
         with settings.precision.autocast():
             logits = model(images)
         predictions = logits.argmax(dim=1)
@@ -298,15 +303,20 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
         counts[:cells].index_add_(0, labels * num_classes + predictions, weights)
         if top5:
             hits = (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1)
-            counts[cells:].add_((hits * weights).sum())  # weights: padded rows count 0
+            counts[cells:cells + 1].add_((hits * weights).sum())  # weights: padded rows count 0
         losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         loss_sum += (losses * weights).sum().to(loss_sum.dtype)
     all_reduce_sum(counts)
     all_reduce_sum(loss_sum)
     counts = counts.cpu()
-    top5_correct = counts[cells:].tolist()[0] if top5 else None  # tolist: read on the host copy
+    top5_hits, left_out = counts[cells:].tolist()  # tolist: read on the host copy
     loss_total = loss_sum.cpu().tolist()  # one copy to the host, as for the counts
-    return EvalResult(counts[:cells].view(num_classes, num_classes), top5_correct, loss_total)
+    result = EvalResult(counts[:cells].view(num_classes, num_classes), top5_hits if top5 else None, loss_total,
+                        left_out)
+    if left_out and not result.total:
+        raise MidRunError(f"none of the {left_out} validation images could be read: is the data still there "
+                          "(a folder moved, a network file system gone)?")
+    return result
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):
