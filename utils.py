@@ -14,6 +14,8 @@ from multi_train_utils.images import IMG_EXTENSIONS, find_image_files, list_entr
 from multi_train_utils.images import build_transforms  # noqa: F401 (re-exported: the tutorial's place)
 
 
+MAX_NOTES = 5  # beyond this many classes without validation images, one line names a few
+
 # The tutorial's data: 5 class folders, 3670 JPEGs (--download fetches and checks it).
 FLOWER_PHOTOS_URL = "https://storage.googleapis.com/download.tensorflow.org/example_images/flower_photos.tgz"
 
@@ -151,6 +153,11 @@ def _nonempty_split(train, val, classes, skipped, val_rate, val_list=None):
                     (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
         notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
                      f"{fix}")
+    if len(notes) > MAX_NOTES:  # a thousand classes: one line, not one a class
+        missing = sorted(set(range(len(classes))) - set(val_labels))
+        named = ", ".join(repr(classes[c]) for c in missing[:3])
+        notes = [f"{len(missing)} classes get no validation image ({named}, ...): their accuracy is never measured; "
+                 + ("list some of their images in --val-list" if val_list else "add images or raise --val-rate")]
     return DataSplit(train_images_path=train_images, train_images_label=train_labels, val_images_path=val_images,
                      val_images_label=val_labels, classes=classes, skipped=list(skipped), skip_reasons=dict(skipped),
                      notes=notes)

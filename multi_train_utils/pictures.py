@@ -19,9 +19,11 @@ from multi_train_utils.run_files import read_metrics
 
 
 PLOT_FILES = {"class_distribution": "class_distribution.png", "batch_preview": "batch_preview.png",
-              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png"}
+              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png", "most_confused": "most_confused.png"}
 MAX_INCHES = 20  # figures grow with the number of classes up to this size
 MAX_LABELLED_CLASSES = 50  # beyond this, class names are left off the axes
+MAX_BARS = 30  # beyond this many classes, the class distribution is a sorted curve, and no count is written in a cell
+MOST_CONFUSED = 20  # pairs of classes in most_confused.png
 
 
 def _figure(width, height):
@@ -62,8 +64,11 @@ def _class_ticks(axis, classes, rotate=False):
 
 
 def plot_class_distribution(classes, train, val):
-    """Bar chart of the images per class (``train``, ``val``: counts in class order)."""
+    """Bar chart of the images per class (``train``, ``val``: counts in class order); beyond
+    MAX_BARS classes, the counts sorted from the largest class to the smallest, as curves."""
     classes = drawable(classes)
+    if len(classes) > MAX_BARS:
+        return _plot_sorted_counts(classes, train, val)
     fig = _figure(max(6, 0.8 * len(classes)), 4)
     ax = fig.subplots()
     x = range(len(classes))
@@ -75,6 +80,27 @@ def plot_class_distribution(classes, train, val):
     ax.set_ylabel("images")
     ax.set_title("images per class")
     ax.legend()
+    return fig
+
+
+def _plot_sorted_counts(classes, train, val):
+    """Images per class, classes sorted by their training images: one curve per split, the
+    largest and the smallest class named."""
+    order = sorted(range(len(classes)), key=lambda c: (-train[c], c))
+    fig = _figure(10, 4)
+    ax = fig.subplots()
+    ranks = range(1, len(classes) + 1)
+    for counts, name in ((train, "train"), (val, "val")):
+        ax.plot(ranks, [counts[c] for c in order], label=f"{name} ({sum(counts)})")
+    for rank, c in ((1, order[0]), (len(order), order[-1])):
+        ax.annotate(f"{classes[c]} ({train[c]})", (rank, train[c]), textcoords="offset points", xytext=(0, 6),
+                    ha="left" if rank == 1 else "right", fontsize=8)
+    ax.set_xlabel(f"class, from the largest to the smallest ({len(classes)} classes)")
+    ax.set_ylabel("images")
+    ax.set_ylim(bottom=0)
+    ax.set_title("images per class, sorted")
+    ax.legend()
+    ax.grid(alpha=0.3)
     return fig
 
 
@@ -130,7 +156,7 @@ def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     peak = int(confusion.max()) if confusion.numel() else 0
-    if len(classes) <= 30:
+    if len(classes) <= MAX_BARS:
         for i in range(len(classes)):
             for j in range(len(classes)):
                 value = int(confusion[i, j])
@@ -138,6 +164,31 @@ def plot_confusion_matrix(confusion, classes, title="confusion matrix"):
                         color="white" if value > peak / 2 else "black")
     accuracy = confusion.diag().sum() / max(1, int(confusion.sum()))
     ax.set_title(printable(f"{title} (accuracy {accuracy:.4f})"))
+    return fig
+
+
+def most_confused_pairs(confusion, count=MOST_CONFUSED):
+    """The ``count`` largest off-diagonal cells as (true class, predicted class, images), largest
+    first (ties: in row, then column order); cells of 0 are left out."""
+    off = confusion.clone().long()
+    off.fill_diagonal_(0)
+    counts, cells = torch.sort(off.flatten(), descending=True, stable=True)  # stable: ties in cell order
+    n = confusion.shape[0]
+    return [(cell // n, cell % n, value) for value, cell in zip(counts[:count].tolist(), cells[:count].tolist())
+            if value > 0]
+
+
+def plot_most_confused(confusion, classes, title="most confused"):
+    """Horizontal bars of the most-confused pairs of classes (``true -> predicted``), largest on top."""
+    classes = drawable(classes)
+    pairs = most_confused_pairs(confusion)
+    fig = _figure(8, max(2.5, 0.3 * len(pairs) + 1))
+    ax = fig.subplots()
+    ax.barh(range(len(pairs)), [count for _, _, count in pairs])
+    ax.set_yticks(range(len(pairs)), [f"{classes[t]} -> {classes[p]}" for t, p, _ in pairs], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("validation images (true -> predicted)")
+    ax.set_title(printable(f"{title}: the {len(pairs)} most-confused pairs of classes"))
     return fig
 
 
@@ -150,11 +201,17 @@ def confusion_matrix_csv(confusion, classes):
 
 
 def save_confusion_matrix(confusion, classes, folder, title, writer=None, step=0):
-    """confusion_matrix.png and confusion_matrix.csv in ``folder`` (and the picture in TensorBoard)."""
+    """confusion_matrix.png, confusion_matrix.csv and, where the model confused any classes,
+    most_confused.png in ``folder`` (and the pictures in TensorBoard); the names drawn, as in PLOT_FILES."""
     os.makedirs(folder, exist_ok=True)
     save_figure(plot_confusion_matrix(confusion, classes, title), os.path.join(folder, PLOT_FILES["confusion_matrix"]),
                 writer, "summary/confusion_matrix", step)
     write_text_atomic(confusion_matrix_csv(confusion, classes), os.path.join(folder, "confusion_matrix.csv"))
+    if not most_confused_pairs(confusion, 1):
+        return ["confusion_matrix"]
+    save_figure(plot_most_confused(confusion, classes, title), os.path.join(folder, PLOT_FILES["most_confused"]),
+                writer, "summary/most_confused", step)
+    return ["confusion_matrix", "most_confused"]
 
 
 def main(argv=None):

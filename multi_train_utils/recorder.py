@@ -238,9 +238,8 @@ class RunRecorder:
         plots = self.drawn + ["curves"]
         best = self.state.best
         if best.confusion is not None:
-            save_confusion_matrix(best.confusion, self.classes, self.output_dir, f"best epoch {best.epoch}, validation",
-                                  writer=self.writer, step=last)
-            plots.append("confusion_matrix")
+            plots += save_confusion_matrix(best.confusion, self.classes, self.output_dir,
+                                           f"best epoch {best.epoch}, validation", writer=self.writer, step=last)
         else:  # a checkpoint from before confusion matrices were kept, and no better epoch since
             print(f"note: no confusion matrix of the best epoch {best.epoch} was kept; draw one with "
                   f"--eval-only --weights {os.path.join(self.output_dir, 'model-best.pth')} --eval-output DIR")

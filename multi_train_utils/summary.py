@@ -9,12 +9,15 @@ from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
-from multi_train_utils.pictures import PLOT_FILES, save_confusion_matrix
+from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 
 RULE = "-" * 78
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
 EVALUATION_FILES = ("overall_metrics.csv", "per_class_metrics.csv")
+# Beyond this many classes the summary and the evaluation report name only the extremes.
+MAX_CLASSES_LISTED = 20
+WORST_SHOWN = 10  # classes of lowest recall, and most-confused pairs, that a report lists
 
 
 def describe_device(device):
@@ -120,7 +123,10 @@ def print_data_summary(args, data):
     else:
         where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
-    if train is not None and val is not None:
+    if train is not None and val is not None and len(data.classes) > MAX_CLASSES_LISTED:
+        for line in describe_many_classes(data.classes, [t + v for t, v in zip(train, val)]):
+            print(f"data: {where}: {line}" if line.startswith(f"{len(data.classes)} classes") else line)
+    elif train is not None and val is not None:
         print(f"data: {where}: " + ", ".join(f"{t + v} {c}" for c, t, v in zip(data.classes, train, val)))
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
@@ -130,6 +136,25 @@ def print_data_summary(args, data):
         print(f"warning: {warning}", flush=True)
 
 
+def describe_many_classes(classes, counts, shown=3):
+    """Two lines on the images per class of a dataset with many classes: how many classes and
+    images, the ``shown`` smallest and largest classes, the median; and how imbalanced."""
+    order = sorted(range(len(classes)), key=lambda c: (counts[c], c))
+    named = [", ".join(f"{classes[c]} ({counts[c]})" for c in picked)
+             for picked in (order[:shown], order[::-1][:shown])]
+    median = sorted(counts)[len(counts) // 2]
+    smallest, largest = counts[order[0]], counts[order[-1]]
+    if smallest == largest:
+        balance = f"every class has {largest} images"
+    elif smallest == 0:
+        balance = f"{sum(1 for n in counts if n == 0)} class(es) have no images"
+    else:
+        balance = (f"the largest class has {largest / smallest:.1f}x the images of the smallest; "
+                   f"{sum(1 for n in counts if n < median / 2)} class(es) have less than half the median")
+    return [f"{len(classes)} classes, {sum(counts)} images; smallest {named[0]}; largest {named[1]}; "
+            f"median {median} images a class", f"imbalance: {balance}"]
+
+
 def class_counts(dataset, classes):
     """Images per class from ``dataset.targets``, or None if the dataset has none."""
     labels = training_labels(dataset)
@@ -137,9 +162,44 @@ def class_counts(dataset, classes):
 
 
 def print_evaluation(result, classes):
-    """Per-class accuracy lines, per-class precision, recall and F1, balanced accuracy and
-    macro-F1, top-5 (more than 5 classes), then ``top1 accuracy: 0.812500 (130/160)`` as the
-    last line."""
+    """Per-class accuracy lines, per-class precision, recall and F1 (with more than
+    MAX_CLASSES_LISTED classes: the worst of them by recall, and the most-confused pairs),
+    balanced accuracy and macro-F1, top-5 (more than 5 classes), the images left out, then
+    ``top1 accuracy: 0.812500 (130/160)`` as the last line."""
+    if len(classes) > MAX_CLASSES_LISTED:
+        print_worst_classes(result, classes)
+    else:
+        print_every_class(result, classes)
+    print(f"balanced accuracy: {result.balanced_accuracy:.6f}  macro-F1: {result.macro_f1:.6f}")
+    if result.left_out:
+        print(f"left out: {result.left_out} validation image(s) that could not be read (see the warnings)")
+    if result.top5_accuracy is not None:
+        print(f"top5 accuracy: {result.top5_accuracy:.6f} ({result.top5_correct}/{result.total})")
+    print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
+
+
+def print_worst_classes(result, classes, shown=WORST_SHOWN):
+    """The ``shown`` classes of lowest recall with their precision and F1, then the most-confused
+    pairs of classes; the whole table is per_class_metrics.csv's (--eval-output)."""
+    recall, precision, f1 = result.recall, result.precision, result.f1
+    measured = [c for c in range(len(classes)) if recall[c] == recall[c]]  # not nan: the class has images
+    worst = sorted(measured, key=lambda c: (recall[c], c))[:shown]
+    width = max(len(classes[c]) for c in worst) if worst else 0
+    print(f"the {len(worst)} classes of lowest recall (of {len(classes)}; all of them: per_class_metrics.csv "
+          "with --eval-output), recall  precision  F1:")
+    images = result.confusion.sum(dim=1).tolist()
+    for c in worst:
+        print(f"  {classes[c]:<{width}}  {recall[c]:.6f} ({int(result.confusion[c, c])}/{images[c]})  "
+              f"{precision[c]:.6f}  {f1[c]:.6f}")
+    pairs = most_confused_pairs(result.confusion, shown)
+    if pairs:
+        print("most confused (true -> predicted: images):")
+        for true, predicted, count in pairs:
+            print(f"  {classes[true]} -> {classes[predicted]}: {count}")
+
+
+def print_every_class(result, classes):
+    """A line per class: its accuracy; then a line per class: precision, recall, F1."""
     width = max(len(c) for c in classes)
     for i, name in enumerate(classes):
         row = result.confusion[i]
@@ -149,10 +209,6 @@ def print_evaluation(result, classes):
     print("per-class precision, recall, F1 (nan: never predicted / no images / neither):")
     for name, values in zip(classes, zip(result.precision, result.recall, result.f1)):
         print(f"  {name:<{width}}  " + "  ".join(f"{v:.6f}" for v in values))
-    print(f"balanced accuracy: {result.balanced_accuracy:.6f}  macro-F1: {result.macro_f1:.6f}")
-    if result.top5_accuracy is not None:
-        print(f"top5 accuracy: {result.top5_accuracy:.6f} ({result.top5_correct}/{result.total})")
-    print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
 
 
 def evaluation_metrics_csv(result, classes):
@@ -163,7 +219,7 @@ def evaluation_metrics_csv(result, classes):
     if result.top5_accuracy is not None:
         overall.append(["top5_accuracy", result.top5_accuracy])
     overall += [["balanced_accuracy", result.balanced_accuracy], ["macro_f1", result.macro_f1],
-                ["images", result.total]]
+                ["images", result.total], ["left_out", result.left_out]]
     per_class = [["class", "images", "predicted", "correct", "precision", "recall", "f1"]]
     images, predicted = result.confusion.sum(dim=1).tolist(), result.confusion.sum(dim=0).tolist()
     for i, name in enumerate(classes):
