@@ -49,6 +49,17 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
 
 
+def file_counts(text):
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive whole numbers separated by commas, e.g. 10000,100000")
+    return counts
+
+
 def get_args_parser():
     parser = argparse.ArgumentParser(description="Benchmark the training pipeline (see the module docstring).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -67,6 +78,9 @@ def get_args_parser():
     parser.add_argument("--max-processes", type=int, default=None, help="largest process count for scaling: 1, 2, 4, ... and this (default: GPUs, or CPU cores)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="run the tutorial-way rows")
     parser.add_argument("--json", default="runs/benchmark.json", help="where to write the results")
+    parser.add_argument("--scale", type=file_counts, default=None, metavar="N,N,...", help="instead of the speed rows: start-up and loader-worker memory on simulated ImageNet-like folders of N files each (e.g. 10000,100000,1281000; hard links, made once under --scale-dir)")
+    parser.add_argument("--scale-ranks", type=file_counts, default=[1, 2, 8], metavar="R,R,...", help="with --scale: the rank counts to time the start-up with")
+    parser.add_argument("--scale-dir", default=os.path.join(REPO, "data", "benchmark-scale"), help="with --scale: where the simulated folders go")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
     return parser
 
@@ -255,6 +269,159 @@ def scaling_timed(stdout, images_per_step):
     return {"images": steps * images_per_step, "steps": steps}
 
 
+# --- Scale: start-up and loader-worker memory against the number of files ------------------------
+
+SCALE_CLASSES = 1000  # ImageNet's
+SCALE_SEEDS = 32  # distinct small JPEGs; the files are hard links to them (ext4 allows 65,000 links a file)
+# Run as a script by time_to_first_step: the training script, stopped at its first optimizer step.
+FIRST_STEP = """import os, runpy, sys
+sys.path.insert(0, {repo!r})
+import multi_train_utils.train_eval_utils as loop
+def first_step(*args, **kwargs):
+    print("first step", flush=True)
+    os._exit(0)
+loop.optimizer_step = first_step
+runpy.run_path({script!r}, run_name="__main__")
+"""
+# Run as a script by worker_memory: a loader worker's private memory (USS) over one epoch.
+WORKER_MEMORY = """import os, sys, json
+sys.path.insert(0, {repo!r})
+import torch
+from torch.utils.data import DataLoader, Dataset
+from utils import read_split_data
+from my_dataset import MyDataSet
+
+def private_kb():
+    with open("/proc/self/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean", "Private_Dirty")))
+
+class PathsOnly(Dataset):  # what a worker reads of an item, without decoding the image
+    def __init__(self, paths, labels):
+        self.paths, self.labels = paths, labels
+    def __len__(self):
+        return len(self.paths)
+    def __getitem__(self, i):
+        return len(self.paths[i]) + int(self.labels[i]), private_kb() if i in (0, len(self) - 1) else 0
+
+split = read_split_data({root!r}, val_rate=0.1, seed=0)
+held = MyDataSet(split.train_images_path, split.train_images_label)
+paths, labels = (held.images_path, held.images_class) if {compact!r} else (list(split.train_images_path),
+                                                                         list(split.train_images_label))
+del split, held
+loader = DataLoader(PathsOnly(paths, labels), batch_size=4096, num_workers=1, collate_fn=lambda b: b)
+seen = [kb for batch in loader for _, kb in batch if kb]
+print(json.dumps({{"start_kb": seen[0], "end_kb": seen[-1], "items": len(paths)}}))
+"""
+
+
+def make_scale_folder(root, files):
+    """``files`` hard links to SCALE_SEEDS small JPEGs in SCALE_CLASSES class folders (fewer
+    for small counts: 10 files a class at least), like ImageNet's; kept for the next run."""
+    classes = min(SCALE_CLASSES, max(2, files // 10))
+    marker = os.path.join(root, ".complete")
+    if os.path.exists(marker):
+        return root
+    from PIL import Image
+
+    seeds = os.path.join(root + "-seeds")
+    os.makedirs(seeds, exist_ok=True)
+    for i in range(SCALE_SEEDS):
+        Image.new("RGB", (40, 32), (8 * i, 100, 250 - 7 * i)).save(os.path.join(seeds, f"{i}.jpg"), quality=80)
+    for c in range(classes):
+        folder = os.path.join(root, f"n{c:08d}")
+        os.makedirs(folder, exist_ok=True)
+        for j in range(files // classes + (c < files % classes)):
+            target = os.path.join(folder, f"n{c:08d}_{j}.JPEG")
+            if not os.path.exists(target):
+                os.link(os.path.join(seeds, f"{(c * 7 + j) % SCALE_SEEDS}.jpg"), target)
+    open(marker, "w").close()
+    return root
+
+
+def imagefolder_listing_seconds(root):
+    """Seconds torchvision's ImageFolder takes to list ``root`` (no image opened): the best of 2."""
+    from torchvision.datasets import ImageFolder
+
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        ImageFolder(root, loader=lambda path: path)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def time_to_first_step(root, ranks, work):
+    """Seconds from the launch of a training script on ``root`` (train_single.py for 1 rank,
+    else train_multi_gpu.py under torchrun, gloo on the CPU) to its first optimizer step."""
+    script = os.path.join(REPO, "train_single.py" if ranks == 1 else "train_multi_gpu.py")
+    probe = os.path.join(work, "first_step.py")
+    with open(probe, "w") as f:
+        f.write(FIRST_STEP.format(repo=REPO, script=script))
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={ranks}"]
+    out = os.path.join(work, f"out-{ranks}-{os.path.basename(root)}")
+    cmd = [*launcher, probe, "--data-path", root, "--device", "cpu", "--model", "resnet18", "--img-size", "32",
+           "--batch-size", "2", "--workers", "1", "--epochs", "1", "--output-dir", out, "--overwrite",
+           "--log-dir", os.path.join(work, "tb"), "--val-rate", "0.1"]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - started
+    if "first step" not in result.stdout:
+        raise UserError(f"start-up run ({ranks} rank(s), {root}) did not reach its first step:\n"
+                        f"{result.stdout[-1500:]}{result.stderr[-1500:]}")
+    return seconds
+
+
+def worker_memory(root, compact):
+    """A loader worker's private memory (kB) after its first and its last item of an epoch over
+    every file of ``root``: the dataset's compact lists (``compact``) or plain Python lists."""
+    code = WORKER_MEMORY.format(repo=REPO, root=root, compact=compact)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    if result.returncode != 0:
+        raise UserError(f"worker memory run failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def scale_rows(sizes, ranks, folder):
+    """For each file count of ``sizes``: ImageFolder's listing time, the time the data adds to
+    the first step (minus that on a 20-file folder) for each rank count of ``ranks``, and a
+    loader worker's memory growth over an epoch (compact lists, and plain lists)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="benchmark-scale-") as work:
+        tiny = make_scale_folder(os.path.join(folder, "scale-20"), 20)
+        base = {r: time_to_first_step(tiny, r, work) for r in ranks}
+        for files in sizes:
+            root = make_scale_folder(os.path.join(folder, f"scale-{files}"), files)
+            row = {"files": files, "classes": min(SCALE_CLASSES, max(2, files // 10)),
+                   "imagefolder_listing_s": imagefolder_listing_seconds(root), "startup_s": {}, "data_startup_s": {}}
+            for r in ranks:
+                row["startup_s"][r] = time_to_first_step(root, r, work)
+                row["data_startup_s"][r] = row["startup_s"][r] - base[r]
+            for kind in ("compact", "lists"):
+                memory = worker_memory(root, kind == "compact")
+                row[f"worker_{kind}_kb"] = [memory["start_kb"], memory["end_kb"]]
+            print(f"scale {files}: listing {row['imagefolder_listing_s']:.2f} s; data start-up "
+                  + ", ".join(f"{r} rank(s) {row['data_startup_s'][r]:.2f} s" for r in ranks)
+                  + "; worker growth compact {:+.1f} MB, lists {:+.1f} MB".format(
+                      *((row[f"worker_{k}_kb"][1] - row[f"worker_{k}_kb"][0]) / 1024 for k in ("compact", "lists"))),
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+def print_scale_table(rows):
+    ranks = list(rows[0]["data_startup_s"]) if rows else []
+    print(f"\n{'files':>9} {'classes':>7} {'ImageFolder':>11} " + " ".join(f"{f'+start x{r}':>10}" for r in ranks)
+          + f" {'worker +MB':>10} {'(lists)':>8}")
+    for row in rows:
+        growth = [(row[f"worker_{k}_kb"][1] - row[f"worker_{k}_kb"][0]) / 1024 for k in ("compact", "lists")]
+        print(f"{row['files']:>9} {row['classes']:>7} {row['imagefolder_listing_s']:>10.2f}s "
+              + " ".join(f"{row['data_startup_s'][r]:>9.2f}s" for r in ranks)
+              + f" {growth[0]:>+10.1f} {growth[1]:>+8.1f}")
+    print("ImageFolder: listing the folder; +start xN: what the data adds to the time to the first step with N "
+          "ranks; worker +MB: a loader worker's private memory at the end of an epoch less at its start")
+
+
 # --- The report ---------------------------------------------------------------------------------
 
 def machine_description(device):
@@ -294,6 +461,17 @@ def print_table(report):
         print(f"{name:<16}{number}  {note}")
 
 
+def report_scale(args):
+    """--scale: the scale rows, printed and written to --json."""
+    rows = scale_rows(args.scale, args.scale_ranks, args.scale_dir)
+    print(f"\n{machine_description(torch.device('cpu'))}")
+    print_scale_table(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine_description(torch.device("cpu")), "scale": rows}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
 def process_counts(largest):
     """1, 2, 4, ... up to ``largest``, and ``largest`` itself."""
     counts = [1]
@@ -319,6 +497,8 @@ def main(argv=None):
         for key, value in QUICK.items():
             if key not in given:
                 setattr(args, key, value)
+    if args.scale:
+        return report_scale(args)
     check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
     device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context
     configure_cpu_threads(device)

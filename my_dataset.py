@@ -120,8 +120,8 @@ class MyDataSet(Dataset):
 
     @property
     def targets(self):
-        """The label of every image (as torchvision's ImageFolder calls them)."""
-        return self.images_class.tolist()
+        """The label of every image (as torchvision's ImageFolder calls them), as one array."""
+        return self.images_class
 
     def __len__(self):
         return len(self.images_path)

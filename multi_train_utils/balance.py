@@ -10,6 +10,7 @@ the built-in ``MyDataSet``), never from decoding images.
 import math
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler, Sampler
 
@@ -30,7 +31,7 @@ def training_labels(dataset):
     targets = getattr(dataset, "targets", None)
     if targets is None:
         return None
-    labels = [int(y) for y in targets]
+    labels = targets.tolist() if isinstance(targets, np.ndarray) else [int(y) for y in targets]
     if len(labels) != len(dataset):
         raise UserError(f"a dataset of {len(dataset)} items has {len(labels)} targets: "
                         "targets must give the label of every item, in order")
@@ -77,12 +78,11 @@ def loss_class_weights(args, dataset, num_classes):
 
 def label_counts(labels, num_classes):
     """Images per class, as a list of ``num_classes`` ints; a label outside the classes is an error."""
-    counts = [0] * num_classes
-    for y in labels:
-        if not 0 <= int(y) < num_classes:
-            raise ValueError(f"label {y} is not one of the {num_classes} classes (0 to {num_classes - 1})")
-        counts[int(y)] += 1
-    return counts
+    labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+    outside = labels[(labels < 0) | (labels >= num_classes)]
+    if len(outside):
+        raise ValueError(f"label {outside[0]} is not one of the {num_classes} classes (0 to {num_classes - 1})")
+    return np.bincount(labels, minlength=num_classes).tolist()
 
 
 def class_weights(labels, num_classes):
