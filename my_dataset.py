@@ -19,6 +19,7 @@ NumPy's global generator is not seeded: a dataset that wants exact resume draws 
 or ``random`` instead.
 """
 import random
+import sys
 from typing import List, Mapping, NamedTuple, Sequence
 
 import torch
@@ -108,7 +109,8 @@ class MyDataSet(Dataset):
     ``keep_side`` lets large JPEGs be decoded at reduced size (see ``images.read_image_uint8``).
     Paths and labels are held compactly (``file_list.PathList``), so that forked loader
     workers do not copy them. ``if_unreadable`` (one of IF_UNREADABLE) says what an image
-    that cannot be read or decoded does; each one met is a warning line naming it.
+    that cannot be read or decoded does; each one met is a warning line naming it, on stderr
+    (stdout may hold a progress bar's unfinished line).
     """
 
     def __init__(self, images_path, images_class, transform=None, keep_side=None, if_unreadable="stop"):
@@ -136,9 +138,10 @@ class MyDataSet(Dataset):
             except UnreadableImage as e:
                 first = first or e
                 if self.if_unreadable == "leave out":
-                    print(f"warning: {e}; left out of this validation", flush=True)
+                    print(f"warning: {e}; left out of this validation", file=sys.stderr, flush=True)
                     return self._placeholder(), LEFT_OUT
-                print(f"warning: {e}; the next image of the training set takes its place", flush=True)
+                print(f"warning: {e}; the next image of the training set takes its place", file=sys.stderr,
+                      flush=True)
         raise MidRunError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row cannot be read, from {first}: is the data "
                           "still there (a folder moved, a network file system gone)?")
 

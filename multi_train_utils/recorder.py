@@ -162,12 +162,7 @@ class RunRecorder:
         })
         self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)
-        ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
-        top5 = f"  val_top5: {eval_result.top5_accuracy:.4f}" if eval_result.top5_accuracy is not None else ""
-        left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
-        print(f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
-              f"({eval_result.correct}/{eval_result.total}{left_out}){top5}{ema_text}  lr: {train_stats.last_lr:.3g}  "
-              f"{train_stats.images_per_second:.1f} img/s", flush=True)
+        print(epoch_line(epoch, train_stats, eval_result, ema_result), flush=True)
 
     def _update_best(self, epoch, eval_result, ema_result):
         """The state's best epoch, if the model or its EMA (whichever scores better) beat it."""
@@ -262,3 +257,14 @@ def metric_cells(result, top5=False):
     if top5:
         return cells + ["" if result.top5_accuracy is None else f"{result.top5_accuracy:.6f}"]
     return [f"{result.accuracy:.6f}"] + cells
+
+
+def epoch_line(epoch, train_stats, eval_result, ema_result=None):
+    """The line printed after each epoch: loss, validation accuracy with its counts (and the
+    images left out), top-5 (more than 5 classes), the EMA's accuracy, learning rate, speed."""
+    ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
+    top5 = f"  val_top5: {eval_result.top5_accuracy:.4f}" if eval_result.top5_accuracy is not None else ""
+    left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
+    return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
+            f"({eval_result.correct}/{eval_result.total}{left_out}){top5}{ema_text}  lr: {train_stats.last_lr:.3g}  "
+            f"{train_stats.images_per_second:.1f} img/s")

@@ -26,7 +26,7 @@ METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_secon
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
 RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
              CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
-             "curves.png", "confusion_matrix.png")
+             "curves.png", "confusion_matrix.png", "most_confused.png")
 # The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,

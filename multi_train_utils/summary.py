@@ -140,10 +140,10 @@ def describe_many_classes(classes, counts, shown=3):
     """Two lines on the images per class of a dataset with many classes: how many classes and
     images, the ``shown`` smallest and largest classes, the median; and how imbalanced."""
     order = sorted(range(len(classes)), key=lambda c: (counts[c], c))
-    named = [", ".join(f"{classes[c]} ({counts[c]})" for c in picked)
-             for picked in (order[:shown], order[::-1][:shown])]
+    biggest = sorted(range(len(classes)), key=lambda c: (-counts[c], c))  # ties in label order, as for the smallest
+    named = [", ".join(f"{classes[c]} ({counts[c]})" for c in picked) for picked in (order[:shown], biggest[:shown])]
     median = sorted(counts)[len(counts) // 2]
-    smallest, largest = counts[order[0]], counts[order[-1]]
+    smallest, largest = counts[order[0]], counts[biggest[0]]
     if smallest == largest:
         balance = f"every class has {largest} images"
     elif smallest == 0:

@@ -2,7 +2,6 @@
 written. Each case is a real process, as a user would start it."""
 import os
 import pickle
-import re
 
 import pytest
 import torch
@@ -68,8 +67,9 @@ def case_val_path_with_other_classes(tmp, data):
 
 
 def case_batch_larger_than_the_split(tmp, data):
-    return (["--data-path", data["train"], "--val-path", data["val"], "--batch-size", "37"],
-            ["--batch-size 37", "only 36 of the 36 training images", "--batch-size 36 or less"])
+    # 36 images and broken.jpg, listed by name: no image is opened before training
+    return (["--data-path", data["train"], "--val-path", data["val"], "--batch-size", "38"],
+            ["--batch-size 38", "only 37 of the 37 training images", "--batch-size 37 or less"])
 
 
 def case_weights_missing(tmp, data):
@@ -271,48 +271,14 @@ def test_nccl_on_cpu_is_refused(tiny_data, tmp_path):
 
 
 def test_batch_larger_than_a_ranks_share_under_torchrun(tiny_data, tmp_path):
-    """36 images over 2 ranks: 18 each. Both ranks stop; the error is printed once."""
+    """37 files (broken.jpg among them: no image is opened at start) over 2 ranks: 18 each.
+    Both ranks stop; the error is printed once."""
     result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
                   *FAST, "--epochs", "1", "--data-path", tiny_data["train"], "--val-path", tiny_data["val"],
                   "--batch-size", "19",
                   "--output-dir", str(tmp_path / "out")])
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert errors == ["error: --batch-size 19: each of the 2 process(es) gets only 18 of the 36 training images; "
+    assert errors == ["error: --batch-size 19: each of the 2 process(es) gets only 18 of the 37 training images; "
                       "use --batch-size 18 or less"], result.stderr
     assert not (tmp_path / "out").exists()
-
-
-def test_truncated_image_is_named_by_the_rank_that_read_it(tiny_data, tmp_path):
-    """A file whose header reads but whose pixels are cut off stops the run with its name,
-    raised in a loader worker of one rank; the other rank stops too. (It sits in the
-    validation set, which reads every image.)"""
-    import shutil
-
-    import numpy as np
-    from PIL import Image
-
-    val = tmp_path / "val"
-    shutil.copytree(tiny_data["val"], val)
-    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
-    Image.fromarray(noise).save(tmp_path / "full.jpg")
-    blob = (tmp_path / "full.jpg").read_bytes()
-    (val / "roses" / "truncated.jpg").write_bytes(blob[: len(blob) * 6 // 10])
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
-                  *FAST, "--data-path", tiny_data["train"], "--val-path", str(val), "--epochs", "1", "--workers", "1",
-                  "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "tb")], timeout=120)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    # validation files in class order, sorted by name within a class; rank r reads r, r + 2, ...
-    files = [val / c / name for c in sorted(os.listdir(val)) for name in sorted(os.listdir(val / c))]
-    reader = files.index(val / "roses" / "truncated.jpg") % 2
-    assert errors[0].startswith(f"[rank {reader}] error: cannot decode image {val / 'roses' / 'truncated.jpg'}"), \
-        errors
-    assert "delete or replace the file" in errors[0]
-    # torchrun lists the reader among the failures with exit code 2 (bad input) ...
-    assert re.search(rf"rank\s*: {reader} \(local_rank: {reader}\)\s*exitcode\s*: 2 ", result.stderr), result.stderr
-    # ... and the other rank, waiting in a collective, loses its peer (one line) or, rarely,
-    # is ended by torchrun before its collective fails (no line)
-    assert len(errors) <= 2, errors
-    assert all(line.startswith(f"[rank {1 - reader}] error: lost contact with another process") for line in errors[1:])
-    assert "Traceback" not in result.stdout

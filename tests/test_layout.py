@@ -15,7 +15,7 @@ from conftest import REPO
 
 ENTRY_SCRIPTS = {"train_single", "train_multi_gpu", "predict", "export", "benchmark"}
 SHARED = {"model", "my_dataset", "utils"}
-BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.process", "multi_train_utils.files", "multi_train_utils.images",
+BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.process", "multi_train_utils.files", "multi_train_utils.file_list", "multi_train_utils.images",
         "multi_train_utils.signals", "multi_train_utils.run_log"}
 ENTRY, STEPS, SHARED_LAYER, BASE_LAYER = 3, 2, 1, 0
 

@@ -176,7 +176,7 @@ def test_eval_output_csv_holds_the_overall_and_per_class_metrics():
                           for text in evaluation_metrics_csv(EvalResult(CONFUSION, top5_correct=7), list("abcde")))
     assert [(name, float(value)) for name, value in overall[1:]] == [
         ("top1_accuracy", 0.5), ("top5_accuracy", 0.7), ("balanced_accuracy", pytest.approx(1.25 / 3)),
-        ("macro_f1", pytest.approx((0.6 + 4 / 7) / 4)), ("images", 10)]
+        ("macro_f1", pytest.approx((0.6 + 4 / 7) / 4)), ("images", 10), ("left_out", 0)]
     assert per_class[0] == ["class", "images", "predicted", "correct", "precision", "recall", "f1"]
     assert [row[:4] for row in per_class[1:]] == [["a", "4", "6", "3"], ["b", "4", "3", "2"], ["c", "0", "1", "0"],
                                                  ["d", "2", "0", "0"], ["e", "0", "0", "0"]]

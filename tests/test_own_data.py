@@ -97,7 +97,8 @@ def test_label_files_train_like_folders(tiny_data, tmp_path):
     train_list = write_list(lists / "train.csv", train_rows)
     val_list = write_list(tmp_path / "val.csv", list_of_folder(tiny_data["val"], tmp_path))
     out = tmp_path / "out"
-    result = run([PYTHON, script("train_single.py"), "--train-list", train_list, "--val-list", val_list, *FAST,
+    result = run([PYTHON, script("train_single.py"), "--train-list", train_list, "--val-list", val_list, "--check-images",
+                  *FAST,
                   "--epochs", "1", "--workers", "0", "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"^warning: skipping \S*broken\.jpg: not a readable image$", result.stdout, flags=re.M)
@@ -117,13 +118,13 @@ def lists(tiny_data, tmp_path):
     broken = os.path.relpath(os.path.join(tiny_data["train"], "dandelion", "broken.jpg"), tmp_path)
     val_image = os.path.relpath(os.path.join(tiny_data["val"], "daisy", "daisy_000.jpg"), tmp_path)
 
-    def error_of(train_rows=rows, val_rows=None, header=("path", "label")):
+    def error_of(train_rows=rows, val_rows=None, header=("path", "label"), check_images=False):
         train = write_list(tmp_path / "train.csv", train_rows, header)
         val = write_list(tmp_path / "val.csv", val_rows) if val_rows is not None else None
         from multi_train_utils.errors import UserError
 
         with pytest.raises(UserError) as error:
-            read_label_files(train, val)
+            read_label_files(train, val, check_images=check_images)
         message = str(error.value)
         assert "\n" not in message
         return message
@@ -143,7 +144,7 @@ def test_label_file_mistakes_are_one_clear_line(lists):
     missing = error_of(rows + [("daisy/gone.jpg", "daisy")])
     assert f"line {len(rows) + 2}:" in missing and "gone.jpg: no such file" in missing
     assert "class 'lilies' is not one of the training classes" in error_of(val_rows=[(lists["val_image"], "lilies")])
-    broken = error_of([r for r in rows if not r[1] == "tulips"] + [(lists["broken"], "tulips")])
+    broken = error_of([r for r in rows if not r[1] == "tulips"] + [(lists["broken"], "tulips")], check_images=True)
     assert "class 'tulips' has no readable images" in broken
     assert "found 1 class (daisy)" in error_of([r for r in rows if r[1] == "daisy"])
     assert "lists no images" in error_of([])

@@ -404,7 +404,7 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
     from utils import read_split_data
 
     ranks = probe_records(f"{straight}.probe", 2)
-    labels = read_split_data(tiny_data["train"], val_root=tiny_data["val"]).train_images_label
+    labels = read_split_data(tiny_data["train"], val_root=tiny_data["val"], check_images=True).train_images_label
     counts = [labels.count(c) for c in range(5)]
     for record in ranks:
         assert record["loss"]["label_smoothing"] == 0.1 and record["loss"]["soft_targets"]

@@ -12,12 +12,12 @@ from conftest import CLASSES
 def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny_data, monkeypatch):
     from utils import read_split_data
 
-    first = read_split_data(tiny_data["train"], val_rate=0.34, seed=3)
+    first = read_split_data(tiny_data["train"], val_rate=0.34, seed=3, check_images=True)
     random.seed(123)
     torch.manual_seed(123)
     real_scandir = os.scandir
     monkeypatch.setattr(os, "scandir", lambda p: iter(reversed(list(real_scandir(p)))))
-    second = read_split_data(tiny_data["train"], val_rate=0.34, seed=3)
+    second = read_split_data(tiny_data["train"], val_rate=0.34, seed=3, check_images=True)
     assert first == second
     assert first.classes == CLASSES
     # round(n * 0.34) of each class: 8 -> 3, 6 -> 2, 8 -> 3, 7 -> 2, 7 -> 2 (broken.jpg skipped)
@@ -26,7 +26,7 @@ def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny
     assert not set(first.train_images_path) & set(first.val_images_path)
     assert len(first.train_images_path) + len(first.val_images_path) == 36
     assert [os.path.basename(p) for p in first.skipped] == ["broken.jpg"]
-    other_seed = read_split_data(tiny_data["train"], val_rate=0.34, seed=4)
+    other_seed = read_split_data(tiny_data["train"], val_rate=0.34, seed=4, check_images=True)
     assert other_seed.val_images_path != first.val_images_path
 
 
@@ -75,7 +75,7 @@ def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
     from my_dataset import SeededSamples, build_datasets
 
     data = build_datasets(Namespace(train_list=None, data_path=tiny_data["train"], val_path=tiny_data["val"],
-                                    val_rate=0.2, seed=0, img_size=24))
+                                    val_rate=0.2, seed=0, img_size=24, check_images=True))  # 36: batches of 4
     train_set = SeededSamples(data.train, seed=0)
     first = epoch_images(train_set, seed=0, epochs=(0, 1), workers=1)
     indices = sorted({index for _, index in first})

@@ -100,7 +100,7 @@ def test_tensorboard_holds_the_pictures(single_run):
     accumulator = EventAccumulator(events, size_guidance={"images": 0})
     accumulator.Reload()
     assert set(accumulator.Tags()["images"]) == {"data/class_distribution", "data/batch_preview",
-                                                 "summary/curves", "summary/confusion_matrix"}
+                                                 "summary/curves", "summary/confusion_matrix", "summary/most_confused"}
     # the metrics.csv figures (no top-5 with 5 classes, no ema/ without --model-ema)
     assert set(accumulator.Tags()["scalars"]) == {"loss", "learning_rate", "images_per_second", "accuracy",
                                                   "balanced_accuracy", "macro_f1", "val_loss"}
@@ -198,7 +198,7 @@ def test_confusion_matrix_picture_shows_every_class_and_count(classes, tmp_path,
     monkeypatch.setattr(pictures, "save_figure", lambda fig, path, *args: figures.append((fig, path)) or
                         save_figure(fig, path, *args))
     pictures.save_confusion_matrix(confusion, classes, str(tmp_path), "validation")
-    ((fig, path),) = figures
+    ((fig, path),) = [(f, p) for f, p in figures if p.endswith("confusion_matrix.png")]
     renderer = drawn(fig)
     (ax,) = fig.axes[:1]
     assert_tick_labels_readable(fig, ax, renderer, classes, y_names=True)
@@ -277,8 +277,9 @@ def test_eval_only_writes_the_confusion_matrix_only_with_eval_output(single_run,
     assert result.returncode == 0, result.stderr
     correct = round(float(read_metrics(out)[-1]["val_accuracy"]) * 7)  # checkpoint.pth: the last epoch
     assert result.stdout.strip().splitlines()[-1] == f"top1 accuracy: {correct / 7:.6f} ({correct}/7)"
-    assert sorted(os.listdir(target)) == ["confusion_matrix.csv", "confusion_matrix.png", "overall_metrics.csv",
-                                          "per_class_metrics.csv"]
+    confused = ["most_confused.png"] if correct < 7 else []  # drawn where the model confused any classes
+    assert sorted(os.listdir(target)) == ["confusion_matrix.csv", "confusion_matrix.png", *confused,
+                                          "overall_metrics.csv", "per_class_metrics.csv"]
     with open(target / "confusion_matrix.csv") as f:
         counts = [[int(v) for v in r[1:]] for r in list(csv.reader(f))[1:]]
     assert sum(map(sum, counts)) == 7 and sum(counts[i][i] for i in range(5)) == correct
