@@ -244,6 +244,14 @@ def run(cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
+def outcome(call):
+    """What ``call()`` returned, or the exception it raised (tests assert on either)."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 (the tests look at which one)
+        return e
+
+
 def script(name):
     return os.path.join(REPO, name)
 

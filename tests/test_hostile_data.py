@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, PROBE, PYTHON, run
+from conftest import FAST, PROBE, PYTHON, outcome, run
 import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
@@ -26,14 +26,6 @@ from utils import read_label_files, read_split_data
 # Upright test picture: 4 quadrants of these colours (top-left, top-right, bottom-left, bottom-right).
 QUADRANTS = ((220, 30, 30), (30, 200, 30), (30, 30, 220), (240, 240, 240))
 PIL_LIMIT = f"{2 * Image.MAX_IMAGE_PIXELS:,}"  # what PIL refuses to open as a possible decompression bomb
-
-
-def outcome(call):
-    """What ``call()`` returned, or the exception it raised (tests assert on either)."""
-    try:
-        return call()
-    except Exception as e:  # noqa: BLE001 (the tests look at which one)
-        return e
 
 
 def fs_name(raw):

@@ -3,10 +3,9 @@ compact file lists in loader workers, and reports that stay legible at 1,000 cla
 
 Two torchrun launches (the shared list; bad files mid-epoch); the rest runs in-process.
 """
-import argparse
-import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, PROBE, PYTHON, REPO, TORCHRUN, free_port, probe_records, run
+from conftest import FAST, PROBE, PYTHON, REPO, TORCHRUN, free_port, outcome, probe_records, run
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.file_list import PathList
@@ -162,7 +161,9 @@ def test_a_dataset_replaces_and_leaves_out_as_asked_and_stops_when_the_data_is_g
     os.remove(tmp_path / "2.jpg")
     _, val_tf = build_transforms(16)
     train = MyDataSet(paths, [0, 1, 2, 3], val_tf, if_unreadable="replace")
-    image, label = train[1]
+    replaced = outcome(lambda: train[1])
+    assert isinstance(replaced, tuple), f"no image took the place of the bad one: {replaced!r}"
+    image, label = replaced
     assert label == 3 and torch.equal(image, train[3][0])  # 1 and 2 cannot be read: 3 takes their place
     assert train[0][1] == 0
     val = MyDataSet(paths, [0, 1, 2, 3], val_tf, if_unreadable="leave out")
@@ -429,3 +430,29 @@ def test_the_epoch_line_reports_top5_and_the_images_left_out():
     five = EvalResult(made_up_confusion()[:5, :5], loss_sum=1.0)
     assert epoch_line(0, TrainStats(0.5, 100, 1.0, 0.01, 50.0), five) == (
         "[epoch 0] train_loss: 0.5000  val_accuracy: 0.8400 (42/50)  lr: 0.01  50.0 img/s")  # no top-5 with 5
+
+
+def test_data_gone_mid_run_stops_the_rank_that_meets_it_in_one_line(tiny_data, tmp_path):
+    """Twelve unreadable training files in a row (the data is gone, as far as the loader can
+    tell): the rank that meets them stops with one line naming itself and the first file, in a
+    loader worker of its own; torchrun reports exit code 2 (bad data), the other rank stops too."""
+    train = tmp_path / "train"
+    shutil.copytree(tiny_data["train"], train)
+    for i in range(12):  # sorted after dandelion's images: 12 indices in a row
+        (train / "dandelion" / f"zz_gone_{i:02d}.jpg").write_bytes(b"")
+    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()),
+                  os.path.join(REPO, "train_multi_gpu.py"), *FAST, "--data-path", str(train), "--val-path", tiny_data["val"], "--epochs", "1", "--workers", "1",
+                  "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "tb")], timeout=180)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    first = re.match(r"\[rank ([01])\] error: 10 images in a row cannot be read, from cannot decode image (\S+) ",
+                     errors[0] if errors else "")
+    assert first, errors
+    reader, name = int(first.group(1)), os.path.basename(first.group(2))
+    assert name.startswith("zz_gone_") and int(name[8:10]) <= 2  # the chain reaches 10 bad ones from the first 3
+    assert errors[0].endswith("is the data still there (a folder moved, a network file system gone)?; no checkpoint "
+                              "was written yet"), errors[0]
+    assert re.search(rf"rank\s*: {reader} \(local_rank: {reader}\)\s*exitcode\s*: 2 ", result.stderr), result.stderr
+    assert all(re.match(r"\[rank [01]\] error: (10 images in a row|lost contact with another process)", line)
+               for line in errors[1:]), errors
+    assert "Traceback" not in result.stdout
