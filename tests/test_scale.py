@@ -1,8 +1,10 @@
 """ImageNet-sized data: one listing per job, no image opened at start, bad files met mid-epoch,
 compact file lists in loader workers, and reports that stay legible at 1,000 classes.
 
-Two torchrun launches (the shared list; bad files mid-epoch); the rest runs in-process.
+Two 2-rank DDP runs (the shared list and bad files mid-epoch; data gone mid-run), one process
+for a loader worker's memory; the rest runs in-process.
 """
+import io
 import os
 import random
 import re
@@ -13,13 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, PROBE, PYTHON, REPO, TORCHRUN, free_port, outcome, probe_records, run
+from conftest import FAST, PROBE, PYTHON, REPO, outcome, probe_records, run, run_ranks
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.file_list import PathList
-
-LIST_FILES = os.path.join(REPO, "tests", "helpers", "list_files.py")
-
 
 def small_jpeg(path, shade):
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -37,24 +36,53 @@ def many_classes_folder(root, classes=12, per_class=5):
 
 # --- One listing per job ---------------------------------------------------------------------------
 
-def test_rank_0_alone_lists_the_files_and_every_rank_gets_its_list(tmp_path):
+def cut_short_jpeg(path):
+    """A JPEG whose header reads and whose pixels stop at 60 % (200 x 200 of noise)."""
+    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, format="JPEG")
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) * 6 // 10])
+
+
+def test_rank_0_alone_lists_the_files_and_bad_ones_met_mid_epoch_follow_the_rule(tmp_path):
+    """12 class folders split by --val-rate 0.3 --seed 3, trained by 2 DDP ranks (over gloo, as
+    srun starts them) without --check-images; one training file is not an image, one
+    validation JPEG is cut short. Rank 0 alone lists the folders and the other rank gets its
+    list, equal to a one-process scan; training puts the next image in the broken one's place
+    (every rank runs its full number of steps); validation leaves the other out and counts
+    the rest exactly once; each is one warning naming the file."""
     from utils import read_split_data
 
     root = many_classes_folder(str(tmp_path / "data"))
-    out = str(tmp_path / "lists")
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), LIST_FILES, out,
-                  "--data-path", root, "--val-rate", "0.3", "--seed", "3"], timeout=180)
+    alone = read_split_data(root, val_rate=0.3, seed=3)  # one process; the listing opens no file
+    broken, cut_short = alone.train_images_path[7], alone.val_images_path[5]
+    with open(broken, "wb") as f:
+        f.write(b"not a jpeg")
+    cut_short_jpeg(cut_short)
+    out = tmp_path / "out"
+    result = run_ranks(2, [PYTHON, PROBE, "multi", *FAST, "--data-path", root, "--val-rate", "0.3", "--seed", "3",
+                           "--epochs", "1", "--workers", "1", "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")],
+                       env={"PROBE_OUT": f"{out}.probe", "PROBE_FILE_LISTS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
-    records = probe_records(out, 2)
+    records = probe_records(f"{out}.probe", 2)
     assert [r["class_folders_listed"] for r in records] == [12, 0]  # rank 1 listed nothing itself
-    alone = read_split_data(root, val_rate=0.3, seed=3)  # one process, as before any sharing
     for record in records:
-        assert record["classes"] == alone.classes
         assert record["train"] == alone.train_images_path and record["val"] == alone.val_images_path
         assert record["train_labels"] == alone.train_images_label and record["val_labels"] == alone.val_images_label
         assert record["holders"] == ["PathList", "ndarray"]
-    assert len(alone.val_images_path) == 12 * 2  # round(5 x 0.3) = 2 of each class
-    assert any("/deep/" in p for p in alone.train_images_path + alone.val_images_path)
+    assert len(alone.val_images_path) == 12 * 2 and any("/deep/" in p for p in alone.train_images_path)
+    # 36 training images: 18 a rank, 4 whole batches of 4 each, the broken one replaced
+    assert [r["steps"] for r in records] == [4, 4]
+    assert "Traceback" not in result.stdout + result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2, warnings
+    assert [w for w in warnings if w.startswith(f"warning: cannot decode image {broken} ")][0].endswith(
+        "; the next image of the training set takes its place")
+    assert [w for w in warnings if w.startswith(f"warning: cannot decode image {cut_short} ")][0].endswith(
+        "; left out of this validation")
+    epoch = [line for line in result.stdout.splitlines() if line.startswith("[epoch 0] ")]
+    assert len(epoch) == 1 and "/23, 1 unreadable left out)" in epoch[0], epoch  # 24 - 1
 
 
 def test_a_rank_whose_rank_0_failed_to_list_says_so_in_one_line(monkeypatch):
@@ -112,41 +140,6 @@ def test_no_image_is_opened_before_training_unless_check_images(tmp_path, monkey
 
 
 # --- Bad files met mid-epoch -----------------------------------------------------------------------
-
-def test_bad_files_met_mid_epoch_are_replaced_in_training_and_left_out_of_validation(tiny_data, tmp_path):
-    """Under torchrun with 2 processes and no --check-images: tiny_data's training folder holds
-    broken.jpg (not an image), the validation folder a JPEG cut short. Training replaces the
-    broken one (every rank runs its full number of steps); validation leaves the other out
-    and counts the rest exactly once; each is one warning naming the file."""
-    from PIL import Image as PILImage
-
-    val = tmp_path / "val"
-    shutil.copytree(tiny_data["val"], val)
-    noise = np.random.default_rng(0).integers(0, 255, (200, 200, 3), dtype=np.uint8)
-    PILImage.fromarray(noise).save(tmp_path / "full.jpg")
-    blob = (tmp_path / "full.jpg").read_bytes()
-    truncated = val / "roses" / "truncated.jpg"
-    truncated.write_bytes(blob[: len(blob) * 6 // 10])
-    out = tmp_path / "out"
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi", *FAST,
-                  "--data-path", tiny_data["train"], "--val-path", str(val), "--epochs", "1", "--workers", "1",
-                  "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")],
-                 env={"PROBE_OUT": f"{out}.probe"}, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    broken = os.path.join(tiny_data["train"], "dandelion", "broken.jpg")
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
-    replaced = [w for w in warnings if w.startswith(f"warning: cannot decode image {broken} ")]
-    assert len(replaced) == 1 and replaced[0].endswith("; the next image of the training set takes its place")
-    left_out = [w for w in warnings if w.startswith(f"warning: cannot decode image {truncated} ")]
-    assert len(left_out) == 1 and left_out[0].endswith("; left out of this validation"), warnings
-    # 37 training files listed (36 + broken.jpg): ceil(37 / 2) = 19 a rank, 4 whole batches of 4
-    assert [r["steps"] for r in probe_records(f"{out}.probe", 2)] == [4, 4]
-    assert "split: 37 train, 8 val images" in result.stdout
-    files = sum(len(os.listdir(val / c)) for c in os.listdir(val))
-    epoch = [line for line in result.stdout.splitlines() if line.startswith("[epoch 0] ")]
-    assert len(epoch) == 1 and f"/{files - 1}, 1 unreadable left out)" in epoch[0], epoch
-
 
 def test_a_dataset_replaces_and_leaves_out_as_asked_and_stops_when_the_data_is_gone(tmp_path):
     from my_dataset import LEFT_OUT, MAX_UNREADABLE_IN_A_ROW, MyDataSet
@@ -434,25 +427,28 @@ def test_the_epoch_line_reports_top5_and_the_images_left_out():
 
 def test_data_gone_mid_run_stops_the_rank_that_meets_it_in_one_line(tiny_data, tmp_path):
     """Twelve unreadable training files in a row (the data is gone, as far as the loader can
-    tell): the rank that meets them stops with one line naming itself and the first file, in a
-    loader worker of its own; torchrun reports exit code 2 (bad data), the other rank stops too."""
+    tell), 2 DDP ranks: the rank that meets them stops with one line naming itself and the first
+    file, raised in a loader worker of its own, exit code 2 (bad data); the other stops too."""
     train = tmp_path / "train"
     shutil.copytree(tiny_data["train"], train)
     for i in range(12):  # sorted after dandelion's images: 12 indices in a row
         (train / "dandelion" / f"zz_gone_{i:02d}.jpg").write_bytes(b"")
-    result = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()),
-                  os.path.join(REPO, "train_multi_gpu.py"), *FAST, "--data-path", str(train), "--val-path", tiny_data["val"], "--epochs", "1", "--workers", "1",
-                  "--output-dir", str(tmp_path / "out"), "--log-dir", str(tmp_path / "tb")], timeout=180)
+    out = tmp_path / "out"
+    result = run_ranks(2, [PYTHON, PROBE, "multi", *FAST, "--data-path", str(train), "--val-path", tiny_data["val"],
+                           "--epochs", "1", "--workers", "1", "--output-dir", str(out), "--log-dir", str(tmp_path / "tb")],
+                       env={"PROBE_OUT": f"{out}.probe"})
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
-    first = re.match(r"\[rank ([01])\] error: 10 images in a row cannot be read, from cannot decode image (\S+) ",
-                     errors[0] if errors else "")
-    assert first, errors
-    reader, name = int(first.group(1)), os.path.basename(first.group(2))
-    assert name.startswith("zz_gone_") and int(name[8:10]) <= 2  # the chain reaches 10 bad ones from the first 3
-    assert errors[0].endswith("is the data still there (a folder moved, a network file system gone)?; no checkpoint "
-                              "was written yet"), errors[0]
-    assert re.search(rf"rank\s*: {reader} \(local_rank: {reader}\)\s*exitcode\s*: 2 ", result.stderr), result.stderr
-    assert all(re.match(r"\[rank [01]\] error: (10 images in a row|lost contact with another process)", line)
-               for line in errors[1:]), errors
-    assert "Traceback" not in result.stdout
+    gone = [re.match(r"\[rank ([01])\] error: 10 images in a row cannot be read, from cannot decode image (\S+) ", line)
+            for line in errors]
+    readers = {int(m.group(1)): os.path.basename(m.group(2)) for m in gone if m}
+    assert readers, errors
+    for reader, name in readers.items():
+        assert name.startswith("zz_gone_") and int(name[8:10]) <= 2, name  # 10 bad ones in a row from the first 3
+        assert probe_records(f"{out}.probe", 2)[reader]["exit_code"] == 2
+    line = next(line for line, m in zip(errors, gone) if m)
+    assert line.endswith("is the data still there (a folder moved, a network file system gone)?; no checkpoint was "
+                         "written yet"), line
+    assert all(m or re.match(r"\[rank [01]\] error: lost contact with another process", line)
+               for line, m in zip(errors, gone)), errors
+    assert "Traceback" not in result.stdout + result.stderr

@@ -30,6 +30,8 @@ Environment:
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
                   vanishes while the run uses it)
+  PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
+                  them, and how many class folders this rank listed itself
 Probes live here, not in the product's flags.
 """
 import importlib
@@ -89,6 +91,34 @@ def record_first_conv_output(model):
 
 
 real_build_model = target.build_model
+real_build_datasets = target.build_datasets
+
+
+def build_datasets(args):
+    """build_datasets, with what it listed and returned recorded (PROBE_FILE_LISTS)."""
+    import utils
+
+    real_scan, listed = utils._scan_class_folders, []
+
+    def counting_scan(root, classes, *more, **kwargs):
+        listed.append(len(classes))
+        return real_scan(root, classes, *more, **kwargs)
+
+    utils._scan_class_folders = counting_scan
+    try:
+        data = real_build_datasets(args)
+    finally:
+        utils._scan_class_folders = real_scan
+    record["class_folders_listed"] = sum(listed)
+    record["holders"] = [type(data.train.images_path).__name__, type(data.train.images_class).__name__]
+    for name, dataset in (("train", data.train), ("val", data.val)):
+        record[name] = list(dataset.images_path)
+        record[name + "_labels"] = [int(y) for y in dataset.images_class]
+    return data
+
+
+if os.environ.get("PROBE_FILE_LISTS") == "1":
+    target.build_datasets = build_datasets
 
 
 def build_model(*args, **kwargs):
