@@ -3,6 +3,7 @@
     python benchmark.py                    # ResNet-34, 224 px, batch 16, 320 generated JPEGs
     python benchmark.py --quick            # a smoke test in seconds (what CI runs)
     python benchmark.py --data-path data/flower_photos --num-images 3670
+    python benchmark.py --scale 10000,100000,1281000   # start-up and worker memory against the file count
 
 Prints a table and writes it as JSON (--json). What each row means:
   data       the training loader alone (decode, augment, collate), images/s
@@ -12,6 +13,9 @@ Prints a table and writes it as JSON (--json). What each row means:
   scaling    an epoch of train_multi_gpu.py under torchrun with 1, 2, 4, ... processes (the
              second of two, so that every process is warm)
   baseline   the tutorial's way: fp32, NCHW, PIL -> float transforms, .item() every step
+--scale rows instead: for simulated ImageNet-like folders of N files, ImageFolder's listing
+time, what the data adds to the time to the first step with 1, 2, 8 ranks, and a loader
+worker's memory growth over an epoch.
 The first steps of every timed run (start-up, kernel selection) are left out. results.timed
 records, per row, what was timed: images and steps after the warm-up and, for rows that run
 the model here, the dtype and memory format of the first convolution's output.
@@ -21,6 +25,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +85,7 @@ def get_args_parser():
     parser.add_argument("--json", default="runs/benchmark.json", help="where to write the results")
     parser.add_argument("--scale", type=file_counts, default=None, metavar="N,N,...", help="instead of the speed rows: start-up and loader-worker memory on simulated ImageNet-like folders of N files each (e.g. 10000,100000,1281000; hard links, made once under --scale-dir)")
     parser.add_argument("--scale-ranks", type=file_counts, default=[1, 2, 8], metavar="R,R,...", help="with --scale: the rank counts to time the start-up with")
+    parser.add_argument("--scale-repeats", type=int, default=3, help="with --scale: pairs of launches (tiny folder, then the large one) whose median difference is the start-up row")
     parser.add_argument("--scale-dir", default=os.path.join(REPO, "data", "benchmark-scale"), help="with --scale: where the simulated folders go")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
     return parser
@@ -350,14 +356,17 @@ def imagefolder_listing_seconds(root):
     return min(times)
 
 
-def time_to_first_step(root, ranks, work, repeats=2):
-    """Seconds from the launch of a training script on ``root`` (train_single.py for 1 rank,
-    else train_multi_gpu.py under torchrun, gloo on the CPU) to its first optimizer step: the
-    best of ``repeats`` launches."""
-    return min(_time_to_first_step(root, ranks, work) for _ in range(repeats))
+def data_startup_seconds(root, tiny, ranks, work, repeats=3):
+    """What the data of ``root`` adds to the time to the first step with ``ranks`` ranks: the
+    median over ``repeats`` pairs of launches (on ``tiny``, then on ``root``) of the
+    difference, so that a machine whose speed drifts moves both of a pair; and the median time
+    of each."""
+    pairs = [(time_to_first_step(tiny, ranks, work), time_to_first_step(root, ranks, work)) for _ in range(repeats)]
+    return (statistics.median(big - small for small, big in pairs), statistics.median(big for _, big in pairs),
+            statistics.median(small for small, _ in pairs))
 
 
-def _time_to_first_step(root, ranks, work):
+def time_to_first_step(root, ranks, work):
     script = os.path.join(REPO, "train_single.py" if ranks == 1 else "train_multi_gpu.py")
     probe = os.path.join(work, "first_step.py")
     with open(probe, "w") as f:
@@ -387,21 +396,21 @@ def worker_memory(root, compact):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def scale_rows(sizes, ranks, folder):
+def scale_rows(sizes, ranks, folder, repeats=3):
     """For each file count of ``sizes``: ImageFolder's listing time, the time the data adds to
-    the first step (minus that on a 20-file folder) for each rank count of ``ranks``, and a
-    loader worker's memory growth over an epoch (compact lists, and plain lists)."""
+    the first step (against a 20-file folder, ``data_startup_seconds``) for each rank count of
+    ``ranks``, and a loader worker's memory growth over an epoch (compact lists, and plain lists)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="benchmark-scale-") as work:
         tiny = make_scale_folder(os.path.join(folder, "scale-20"), 20)
-        base = {r: time_to_first_step(tiny, r, work) for r in ranks}
         for files in sizes:
             root = make_scale_folder(os.path.join(folder, f"scale-{files}"), files)
             row = {"files": files, "classes": min(SCALE_CLASSES, max(2, files // 10)),
-                   "imagefolder_listing_s": imagefolder_listing_seconds(root), "startup_s": {}, "data_startup_s": {}}
+                   "imagefolder_listing_s": imagefolder_listing_seconds(root), "startup_s": {}, "tiny_startup_s": {},
+                   "data_startup_s": {}}
             for r in ranks:
-                row["startup_s"][r] = time_to_first_step(root, r, work)
-                row["data_startup_s"][r] = row["startup_s"][r] - base[r]
+                row["data_startup_s"][r], row["startup_s"][r], row["tiny_startup_s"][r] = data_startup_seconds(
+                    root, tiny, r, work, repeats)
             for kind in ("compact", "lists"):
                 memory = worker_memory(root, kind == "compact")
                 row[f"worker_{kind}_kb"] = [memory["start_kb"], memory["end_kb"]]
@@ -424,7 +433,8 @@ def print_scale_table(rows):
               + " ".join(f"{row['data_startup_s'][r]:>9.2f}s" for r in ranks)
               + f" {growth[0]:>+10.1f} {growth[1]:>+8.1f}")
     print("ImageFolder: listing the folder; +start xN: what the data adds to the time to the first step with N "
-          "ranks; worker +MB: a loader worker's private memory at the end of an epoch less at its start")
+          "ranks (median over pairs of launches, against a 20-file folder); worker +MB: a loader worker's private "
+          "memory at the end of an epoch less at its start (lists: the same paths and labels as Python lists)")
 
 
 # --- The report ---------------------------------------------------------------------------------
@@ -468,7 +478,7 @@ def print_table(report):
 
 def report_scale(args):
     """--scale: the scale rows, printed and written to --json."""
-    rows = scale_rows(args.scale, args.scale_ranks, args.scale_dir)
+    rows = scale_rows(args.scale, args.scale_ranks, args.scale_dir, args.scale_repeats)
     print(f"\n{machine_description(torch.device('cpu'))}")
     print_scale_table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
