@@ -199,7 +199,8 @@ def test_label_files_get_the_same_handling(tmp_path):
               (b"caf\xe9/c0.jpg", b"caf\xe9"), (b"caf\xe9/c1.jpg", b"caf\xe9"), (b"caf\xe9/loop1.jpg", b"caf\xe9"),
               (b"caf\xe9/huge.png", b"caf\xe9"), (b"solo/s0.jpg", b"solo")]
     write_list(os.path.join(root, "train.csv"), listed)
-    listed = read_label_files(os.path.join(root, "train.csv"))  # none opened: all 11 listed
+    listed = outcome(lambda: read_label_files(os.path.join(root, "train.csv")))  # none opened: all 11 listed
+    assert isinstance(listed, tuple), f"read_label_files failed: {listed!r}"
     assert len(listed.train_images_path) + len(listed.val_images_path) == 11 and listed.skip_reasons == {}
     split = outcome(lambda: read_label_files(os.path.join(root, "train.csv"), check_images=True))
     assert isinstance(split, tuple), f"read_label_files failed: {split!r}"
