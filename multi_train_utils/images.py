@@ -247,9 +247,10 @@ def _read_bytes(path):
             return f.read()
     except FileNotFoundError:
         raise UnreadableImage(f"image {path} is gone (deleted or moved after the data was listed); put it back, "
-                          "or take it out of the data") from None
+                              "or take it out of the data") from None
     except OSError as e:
-        raise UnreadableImage(f"image {path} cannot be read ({e.strerror}); fix it or take it out of the data") from None
+        raise UnreadableImage(f"image {path} cannot be read ({e.strerror}); fix it or take it out of "
+                              "the data") from None
 
 
 def _decode_jpeg_reduced(data, keep_side, path):
