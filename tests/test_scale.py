@@ -286,6 +286,12 @@ def test_a_checkpoint_of_another_fingerprint_version_is_compared_by_its_counts(t
     moved = str(tmp_path / "elsewhere")
     shutil.copytree(root, moved)
     assert file_list_fingerprint(image_file_datasets(read_split_data(moved, 0.2, 0), 16)) == now
+    for name in ("cats", "dogs"):  # paths whose shared prefix ends at a folder: /.../pets/
+        for i in range(5):
+            small_jpeg(str(tmp_path / "pets" / name / f"{i}.jpg"), 40 * i)
+    pets = file_list_fingerprint(image_file_datasets(read_split_data(str(tmp_path / "pets"), 0.2, 0), 16))
+    shutil.copytree(tmp_path / "pets", tmp_path / "animals")
+    assert file_list_fingerprint(image_file_datasets(read_split_data(str(tmp_path / "animals"), 0.2, 0), 16)) == pets
     relabelled = image_file_datasets(read_split_data(root, 0.2, 0), 16)
     relabelled.train.images_class[0] = 2
     assert file_list_fingerprint(relabelled)["sha1"] != now["sha1"]
