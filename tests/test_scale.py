@@ -458,3 +458,19 @@ def test_data_gone_mid_run_stops_the_rank_that_meets_it_in_one_line(tiny_data, t
     assert all(m or re.match(r"\[rank [01]\] error: lost contact with another process", line)
                for line, m in zip(errors, gone)), errors
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_extremes_of_many_classes_read_right_when_balanced_empty_or_tied():
+    from multi_train_utils.pictures import most_confused_pairs
+    from multi_train_utils.summary import describe_many_classes
+
+    names = [f"c{c}" for c in range(25)]
+    assert describe_many_classes(names, [40] * 25)[1] == "imbalance: every class has 40 images"
+    empty = [0 if c in (3, 11) else 40 for c in range(25)]
+    lines = describe_many_classes(names, empty)
+    assert lines[0].startswith("25 classes, 920 images; smallest c3 (0), c11 (0), c0 (40); largest c0 (40), c1 (40), c2 "
+                               "(40); median 40") and lines[1] == "imbalance: 2 class(es) have no images"
+    confusion = torch.zeros(4, 4, dtype=torch.int64)
+    confusion[2, 1] = confusion[0, 3] = confusion[1, 0] = 5  # a three-way tie: row order, then column order
+    confusion[3, 2] = 7
+    assert most_confused_pairs(confusion, 3) == [(3, 2, 7), (0, 3, 5), (1, 0, 5)]
