@@ -114,6 +114,8 @@ class MyDataSet(Dataset):
     """
 
     def __init__(self, images_path, images_class, transform=None, keep_side=None, if_unreadable="stop"):
+        if if_unreadable not in IF_UNREADABLE:
+            raise ValueError(f"if_unreadable={if_unreadable!r}: one of {IF_UNREADABLE}")
         self.images_path = images_path if isinstance(images_path, PathList) else PathList(images_path)
         self.images_class = compact_labels(images_class)
         self.transform = transform
@@ -131,19 +133,27 @@ class MyDataSet(Dataset):
     def __getitem__(self, index):
         if self.if_unreadable == "stop":
             return self._load(index)
-        first = None
-        for step in range(min(MAX_UNREADABLE_IN_A_ROW, len(self))):
+        if self.if_unreadable == "leave out":
+            try:
+                return self._load(index)
+            except UnreadableImage as e:
+                print(f"warning: {e}; left out of this validation", file=sys.stderr, flush=True)
+                return self._placeholder(), LEFT_OUT
+        return self._load_or_the_next(index)
+
+    def _load_or_the_next(self, index):
+        """Item ``index`` or, if its file cannot be read, the next readable one (a warning each),
+        up to MAX_UNREADABLE_IN_A_ROW files."""
+        first, tries = None, min(MAX_UNREADABLE_IN_A_ROW, len(self))
+        for step in range(tries):
             try:
                 return self._load((index + step) % len(self))
             except UnreadableImage as e:
                 first = first or e
-                if self.if_unreadable == "leave out":
-                    print(f"warning: {e}; left out of this validation", file=sys.stderr, flush=True)
-                    return self._placeholder(), LEFT_OUT
                 print(f"warning: {e}; the next image of the training set takes its place", file=sys.stderr,
                       flush=True)
-        raise MidRunError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row cannot be read, from {first}: is the data "
-                          "still there (a folder moved, a network file system gone)?")
+        raise MidRunError(f"{tries} images in a row cannot be read, from {first}: is the data still there (a folder "
+                          "moved, a network file system gone)?")
 
     def _load(self, index):
         img = read_image_uint8(self.images_path[index], self.keep_side)

@@ -147,17 +147,18 @@ def _nonempty_split(train, val, classes, skipped, val_rate, val_list=None):
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
     notes, train_counts = [], Counter(train_labels)
-    for label in sorted(set(range(len(classes))) - set(val_labels)):
+    missing = sorted(set(range(len(classes))) - set(val_labels))
+    if len(missing) > MAX_NOTES:  # a thousand classes: one line, not one a class
+        named = ", ".join(repr(classes[c]) for c in missing[:3])
+        notes = [f"{len(missing)} classes get no validation image ({named}, ...): their accuracy is never measured; "
+                 + ("list some of their images in --val-list" if val_list else "add images or raise --val-rate")]
+        missing = []
+    for label in missing:
         count = train_counts[label]
         why, fix = ((f"--val-list {val_list} lists none of its {count}", "list some of them there") if val_list else
                     (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
         notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
                      f"{fix}")
-    if len(notes) > MAX_NOTES:  # a thousand classes: one line, not one a class
-        missing = sorted(set(range(len(classes))) - set(val_labels))
-        named = ", ".join(repr(classes[c]) for c in missing[:3])
-        notes = [f"{len(missing)} classes get no validation image ({named}, ...): their accuracy is never measured; "
-                 + ("list some of their images in --val-list" if val_list else "add images or raise --val-rate")]
     return DataSplit(train_images_path=train_images, train_images_label=train_labels, val_images_path=val_images,
                      val_images_label=val_labels, classes=classes, skipped=list(skipped), skip_reasons=dict(skipped),
                      notes=notes)
@@ -174,15 +175,14 @@ def split_by_class(images, labels, classes, val_rate, seed):
     for path, label in zip(images, labels):
         by_class[label].append(path)
     for label, members in enumerate(by_class):
-        shuffled = list(members)
-        rng.shuffle(shuffled)
+        rng.shuffle(members)
         n_val = int(round(len(members) * val_rate))
         if n_val and n_val == len(members):
             raise UserError(
                 f"--val-rate {val_rate}: class {classes[label]!r} has only {len(members)} image(s), all of "
                 "them would go to validation; lower --val-rate or add images"
             )
-        val_set = set(shuffled[:n_val])
+        val_set = set(members[:n_val])
         for path in sorted(members):
             if path in val_set:
                 val_images.append(path)

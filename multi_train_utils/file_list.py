@@ -103,15 +103,17 @@ def listed_once(read_split):
         except UserError as e:
             error = str(e)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    arrays = None if split is None else _arrays(split)
     # first the small part (error or class names, skipped files, array sizes), then the arrays
-    header = [error, None if split is None else (split._replace(**dict.fromkeys(_ARRAYS)), _sizes(split))]
+    header = [error, None if split is None else (split._replace(**dict.fromkeys(_ARRAYS)),
+                                                 [(len(a), a.dtype) for a in arrays])]
     dist.broadcast_object_list(header, src=0, device=device)
     error, rest = header
     if error is not None:
         raise UserError(error if get_rank() == 0 else "rank 0 could not list the data; see its error")
     small, sizes = rest
-    arrays = [np.empty(n, dtype=dtype) for n, dtype in sizes] if split is None else _arrays(split)
-    for i, array in enumerate(arrays):
+    arrays = arrays or [np.empty(n, dtype=dtype) for n, dtype in sizes]
+    for array in arrays:
         tensor = torch.from_numpy(array)
         moved = tensor.to(device) if device is not None else tensor
         dist.broadcast(moved, src=0)
@@ -127,10 +129,6 @@ def _arrays(split):
     prefixes = np.frombuffer(len(train_prefix).to_bytes(8, "little") + train_prefix + val_prefix, dtype=np.uint8)
     return [prefixes.copy(), train_data, train_offsets, split.train_images_label, val_data, val_offsets,
             split.val_images_label]
-
-
-def _sizes(split):
-    return [(len(a), a.dtype) for a in _arrays(split)]
 
 
 def _assemble(small, arrays):

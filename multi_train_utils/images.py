@@ -119,7 +119,7 @@ def list_entries(folder):
     """The visible entries of ``folder`` (symlinks followed), sorted by name; OSError if it cannot be listed."""
     entries = Entries([], [], set(), {})
     for entry in sorted(os.scandir(folder), key=_NAME):
-        if entry.name.startswith("."):  # hidden (is_hidden, inlined: a million calls on ImageNet)
+        if is_hidden(entry.name):
             continue
         if not entry.is_symlink():  # the common case, from the directory listing alone
             if entry.is_file():

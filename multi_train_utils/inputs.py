@@ -74,13 +74,13 @@ def file_list_fingerprint(data):
     Hashes the compact arrays as they are: a fraction of a second for a million files."""
     if not (isinstance(getattr(data, "train", None), MyDataSet) and isinstance(getattr(data, "val", None), MyDataSet)):
         return None
-    splits = (("train", data.train), ("val", data.val))
-    prefixes = [_absolute_prefix(dataset.images_path) for _, dataset in splits if len(dataset)]
-    if not prefixes:
+    splits = [(split, dataset) for split, dataset in (("train", data.train), ("val", data.val)) if len(dataset)]
+    if not splits:
         return None
+    prefixes = [_absolute_prefix(dataset.images_path) for _, dataset in splits]
     top = os.path.dirname(os.path.commonprefix(prefixes))
     digest = hashlib.sha1()
-    for (split, dataset), prefix in zip([s for s in splits if len(s[1])], prefixes):
+    for (split, dataset), prefix in zip(splits, prefixes):
         paths = dataset.images_path
         digest.update(f"{split}\t{len(paths)}\t{os.path.relpath(prefix, top)}\n".encode("utf-8", "surrogateescape"))
         for array in (paths.data, paths.offsets, dataset.images_class):

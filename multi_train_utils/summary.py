@@ -124,8 +124,8 @@ def print_data_summary(args, data):
         where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
     if train is not None and val is not None and len(data.classes) > MAX_CLASSES_LISTED:
-        for line in describe_many_classes(data.classes, [t + v for t, v in zip(train, val)]):
-            print(f"data: {where}: {line}" if line.startswith(f"{len(data.classes)} classes") else line)
+        counts, balance = describe_many_classes(data.classes, [t + v for t, v in zip(train, val)])
+        print(f"data: {where}: {counts}\n{balance}")
     elif train is not None and val is not None:
         print(f"data: {where}: " + ", ".join(f"{t + v} {c}" for c, t, v in zip(data.classes, train, val)))
     else:
