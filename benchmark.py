@@ -4,6 +4,7 @@
     python benchmark.py --quick            # a smoke test in seconds (what CI runs)
     python benchmark.py --data-path data/flower_photos --num-images 3670
     python benchmark.py --scale 10000,100000,1281000   # start-up and worker memory against the file count
+    python benchmark.py --decoders 96,224  # one loader worker's JPEG decoding at these crop sizes
 
 Prints a table and writes it as JSON (--json). What each row means:
   data       the training loader alone (decode, augment, collate), images/s
@@ -16,12 +17,17 @@ Prints a table and writes it as JSON (--json). What each row means:
 --scale rows instead: for simulated ImageNet-like folders of N files, ImageFolder's listing
 time, what the data adds to the time to the first step with 1, 2, 8 ranks, and a loader
 worker's memory growth over an epoch.
+--decoders rows instead: for each JPEG decoder the template can use (TorchCodec, PIL), with
+and without the reduced-size decode, one loader worker's images/s (one thread: read, decode,
+the train transform) and the mean and largest pixel difference of its full-size decode to PIL's.
 The first steps of every timed run (start-up, kernel selection) are left out. results.timed
 records, per row, what was timed: images and steps after the warm-up and, for rows that run
 the model here, the dtype and memory format of the first convolution's output.
 """
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
 import re
@@ -30,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
+from PIL import Image
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torchvision.transforms.v2.functional import pil_to_tensor
 from tqdm import tqdm
 
 from model import check_input_size, create_model
@@ -42,6 +51,7 @@ from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_core
                                                  select_device)
 from multi_train_utils.errors import UserError, run_cli
 from multi_train_utils.example_data import make_demo_dataset
+from multi_train_utils import images
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
@@ -87,6 +97,8 @@ def get_args_parser():
     parser.add_argument("--scale-ranks", type=file_counts, default=[1, 2, 8], metavar="R,R,...", help="with --scale: the rank counts to time the start-up with")
     parser.add_argument("--scale-repeats", type=int, default=3, help="with --scale: pairs of launches (tiny folder, then the large one) whose median difference is the start-up row")
     parser.add_argument("--scale-dir", default=os.path.join(REPO, "data", "benchmark-scale"), help="with --scale: where the simulated folders go")
+    parser.add_argument("--decoders", type=file_counts, default=None, metavar="SIZE,SIZE,...", help="instead of the speed rows: one loader worker's JPEG decoding + train transform at these crop sizes (e.g. 96,224), for each decoder")
+    parser.add_argument("--decoder-repeats", type=int, default=5, help="with --decoders: passes over the images per row, interleaved; the median is reported")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
     return parser
 
@@ -437,6 +449,83 @@ def print_scale_table(rows):
           "memory at the end of an epoch less at its start (lists: the same paths and labels as Python lists)")
 
 
+# --- JPEG decoders (--decoders) ------------------------------------------------------------------
+
+def decoder_choices():
+    """{name: context manager under which read_image_uint8 decodes JPEGs that way}."""
+    choices = {"PIL": mock.patch.object(images, "decode_jpeg", None)}
+    if images.decode_jpeg is not None:
+        choices = {"TorchCodec": contextlib.nullcontext(), **choices}
+    return choices
+
+
+def pixel_difference(paths, decoder):
+    """(mean, largest) |difference| of ``decoder``'s full-size decode to PIL's, over ``paths``."""
+    means, largest = [], 0
+    with decoder:
+        for path in paths:
+            ours = images.read_image_uint8(path).int()
+            pil = pil_to_tensor(images.load_rgb(path)).int()
+            difference = (ours - pil).abs()
+            means.append(float(difference.float().mean()))
+            largest = max(largest, int(difference.max()))
+    return statistics.mean(means), largest
+
+
+def decoder_rows(paths, sizes, repeats):
+    """Images/s of one thread reading, decoding and transforming ``paths`` for each decoder,
+    with and without the reduced-size decode, at each crop size (passes interleaved, median)."""
+    torch.set_num_threads(1)  # as in a loader worker
+    rows = []
+    for size in sizes:
+        train_transform, _ = images.build_transforms(size)
+        for keep_side in (2 * size, None):  # training decodes at twice the crop size at least
+            passes = {name: [] for name in decoder_choices()}
+            for _ in range(repeats):
+                for name, decoder in decoder_choices().items():
+                    with decoder:
+                        start = time.perf_counter()
+                        for path in paths:
+                            train_transform(images.read_image_uint8(path, keep_side))
+                        passes[name].append(len(paths) / (time.perf_counter() - start))
+            for name, rates in passes.items():
+                rows.append({"img_size": size, "decoder": name, "reduced": keep_side is not None,
+                             "images_per_second": statistics.median(rates), "passes": rates})
+    for name, decoder in decoder_choices().items():
+        mean, largest = pixel_difference(paths[:50], decoder)
+        for row in rows:
+            if row["decoder"] == name:
+                row.update(mean_difference_to_pil=mean, max_difference_to_pil=largest)
+    return rows
+
+
+def report_decoders(args):
+    """--decoders: the decoder rows, printed and written to --json."""
+    root = prepare_data(args)
+    paths = [path for path in images.find_image_files(root).paths if path.lower().endswith((".jpg", ".jpeg"))]
+    if not paths:
+        raise UserError(f"--data-path {root}: no JPEG files to decode")
+    rows = decoder_rows(paths, args.decoders, args.decoder_repeats)
+    pixels = statistics.mean(math.prod(Image.open(path).size) for path in paths)
+    bits = statistics.mean(8 * os.path.getsize(path) for path in paths) / pixels
+    machine = machine_description(torch.device("cpu"))
+    print(f"\n{machine}\n{len(paths)} JPEGs from {root}: {pixels / 1000:.0f} kilopixels, {bits:.2f} bits per pixel on average")
+    print(f"{'crop':>5} {'decoder':<11} {'reduced':<8} {'images/s':>9} {'vs PIL':>7} {'mean |diff|':>12} {'max':>4}")
+    for row in rows:
+        pil = next(r for r in rows if (r["img_size"], r["reduced"], r["decoder"]) == (row["img_size"], row["reduced"], "PIL"))
+        print(f"{row['img_size']:>5} {row['decoder']:<11} {'yes' if row['reduced'] else 'no':<8} "
+              f"{row['images_per_second']:>9.0f} {row['images_per_second'] / pil['images_per_second']:>6.2f}x "
+              f"{row['mean_difference_to_pil']:>12.3f} {row['max_difference_to_pil']:>4}")
+    print("one thread, as in a loader worker: read, decode, random resized crop + flip; reduced: JPEGs at least "
+          "twice the decode size (2 x crop) decoded at 1/2, 1/4 or 1/8 by PIL's draft mode; |diff|: full-size "
+          "decode against PIL's, 0-255")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine, "images": len(paths), "data_path": os.path.abspath(root), "decoders": rows},
+                  f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
 # --- The report ---------------------------------------------------------------------------------
 
 def machine_description(device):
@@ -514,6 +603,8 @@ def main(argv=None):
                 setattr(args, key, value)
     if args.scale:
         return report_scale(args)
+    if args.decoders:
+        return report_decoders(args)
     check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
     device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context
     configure_cpu_threads(device)

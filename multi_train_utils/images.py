@@ -6,7 +6,6 @@ hidden files ignored; an entry that cannot be resolved is named, not fatal); dec
 uint8 tensors, upright as their EXIF orientation says (a phone's portrait photo); augmented
 (train) or resized and cropped (val) as uint8; and normalised with ImageNet's mean and std
 on the device. Training, evaluation, predict.py, export.py and benchmark.py all use this one."""
-import inspect
 import io
 import operator
 import os
@@ -19,18 +18,17 @@ from PIL import Image, ImageOps
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
-try:  # deprecated since torchvision 0.29 in favour of TorchCodec; PIL decodes if it goes away
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:
+try:  # TorchCodec (torchvision.io's successor): libjpeg-turbo straight into a tensor, EXIF orientation applied
+    from torchcodec.decoders import decode_jpeg
+except (ImportError, OSError, RuntimeError):  # not installed, too old, or built for another torch
     decode_jpeg = None
-if decode_jpeg is not None and "apply_exif_orientation" not in inspect.signature(decode_jpeg).parameters:
-    decode_jpeg = None  # an older torchvision would decode portrait photos sideways: PIL decodes them
 
 from multi_train_utils.errors import UnreadableImage
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_DECODER = "TorchCodec" if decode_jpeg is not None else "PIL (TorchCodec decodes faster: pip install torchcodec, the version for your torch)"
 
 
 # --- Finding ------------------------------------------------------------------------------------
@@ -221,8 +219,8 @@ def load_rgb(path):
 def read_image_uint8(path, keep_side=None):
     """An image file as a uint8 RGB tensor (3, H, W), upright as its EXIF orientation says.
 
-    JPEGs are decoded by torchvision.io (libjpeg-turbo, straight into a tensor); other
-    formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
+    JPEGs are decoded by TorchCodec where it is installed (``JPEG_DECODER`` says which), else
+    by PIL; other formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
     is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
     the JPEG decoder) with its shorter side still at least ``keep_side``. A file that is gone
     or cannot be opened or decoded is an UnreadableImage naming it.
@@ -234,8 +232,7 @@ def read_image_uint8(path, keep_side=None):
             if reduced is not None:
                 return reduced
         try:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                               apply_exif_orientation=True)
+            return decode_jpeg(data, mode="RGB")
         except RuntimeError:
             pass  # a JPEG libjpeg-turbo refuses: PIL decodes it, or names the file in its error
     return pil_to_tensor(load_rgb(path))

@@ -9,6 +9,7 @@ from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.files import csv_text, write_text_atomic
+from multi_train_utils.images import JPEG_DECODER
 from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 
@@ -52,7 +53,7 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
           + (f", {trainable:,} trainable" if trainable != total else "") + ")")
     print(f"batch: {args.batch_size} per process x {args.accum_steps} accumulation steps x {world_size} processes "
           f"= {args.batch_size * args.accum_steps * world_size} per optimizer step; {workers} loader workers "
-          "per process")
+          f"per process, JPEGs decoded by {JPEG_DECODER}")
     scaled = f" ({args.lr:g} x {world_size} processes)" if lr != args.lr else ""
     warmup = f"{args.warmup_epochs} warm-up epochs, then " if args.warmup_epochs else ""
     schedule = (f"x {args.lr_gamma:g} every {args.lr_step_size} epochs" if args.lr_scheduler == "step" else

@@ -4,6 +4,7 @@ Every training run is a real subprocess (python, torchrun, torch.distributed.lau
 that several tests read are session-scoped so that each is launched once.
 """
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -209,6 +210,18 @@ class ScriptProcess:
         for path in self.paths.values():
             os.remove(path)
         return code, stdout, stderr, timed_out
+
+
+def require_torchcodec_where_installed():
+    """Fail where TorchCodec is installed but the loader does not decode with it (a version
+    that does not load, a broken import); skip only where it is not installed at all (CI's
+    aarch64 pair, whose torch has no TorchCodec with image decoders)."""
+    from multi_train_utils import images
+
+    if images.decode_jpeg is None:
+        if importlib.util.find_spec("torchcodec") is None:
+            pytest.skip("TorchCodec is not installed: PIL decodes every JPEG (tested with the fallback)")
+        pytest.fail(f"TorchCodec is installed but JPEGs are decoded by {images.JPEG_DECODER}")
 
 
 def run_ranks(world_size, cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
