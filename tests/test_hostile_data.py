@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, PROBE, PYTHON, outcome, run
+from conftest import FAST, PROBE, PYTHON, outcome, require_torchcodec_where_installed, run
 import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
