@@ -1,74 +1,77 @@
-"""Export trained weights for deployment: TorchScript, or ONNX when the onnx packages are there.
+"""Export trained weights for deployment: a torch.export program (.pt2), or ONNX.
 
-    python export.py --weights weights/model-best.pth --format torchscript
-    python export.py --weights weights/model-best.pth --format onnx      # pip install onnx onnxruntime
+    python export.py --weights weights/model-best.pth                  # model-best.pt2
+    python export.py --weights weights/model-best.pth --format onnx    # pip install onnx onnxscript onnxruntime
 
-The exported model takes float images of shape (N, 3, H, W), H = W = the training image
-size, normalised with ImageNet's mean and std (multi_train_utils.images.IMAGENET_MEAN / IMAGENET_STD), and
-returns one logit per class (class_indices.json). Each file is loaded back and its outputs
-compared with the eager model's on a random batch before it takes the --output name, so a
-failed export leaves an earlier file there as it was.
+The exported model takes float images of shape (N, 3, H, W), any N, H = W = the training
+image size, normalised with ImageNet's mean and std (multi_train_utils.images.IMAGENET_MEAN /
+IMAGENET_STD), and returns one logit per class. A .pt2 loads with torch alone, without this
+project's code, and carries the class names and the preprocessing (run.json inside it;
+predict.py reads them):
+
+    program = torch.export.load("model-best.pt2", extra_files={"run.json": ""})
+    logits = program.module()(images)
+
+ONNX goes through torch.onnx's dynamo-based exporter (``dynamo=True``, the one torch recommends
+since 2.9). TorchScript (--format torchscript) is deprecated by PyTorch and kept only for old
+deployments. Each file is loaded back and its outputs compared with the eager model's on a
+random batch before it takes the --output name, so a failed export leaves an earlier file there
+as it was.
 """
 import argparse
 import inspect
 import io
 import os
-import warnings
 
 import torch
 
 from multi_train_utils.errors import UserError, printable, run_cli
 from multi_train_utils.files import check_new_output, write_bytes_atomic
+from multi_train_utils.exported import ANY_BATCH, export_program, load_program
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.options import add_trained_model_flags
 from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
 
 TOLERANCE = 1e-4
-SUFFIXES = {"torchscript": ".torchscript.pt", "onnx": ".onnx"}
+SUFFIXES = {"pt2": ".pt2", "onnx": ".onnx", "torchscript": ".torchscript.pt"}
+ONNX_PACKAGES = "onnx onnxscript onnxruntime"
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description="Export trained weights to TorchScript or ONNX.",
+    parser = argparse.ArgumentParser(description="Export trained weights to a torch.export program (.pt2) or ONNX.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_trained_model_flags(parser)
-    parser.add_argument("--format", required=True, choices=sorted(SUFFIXES), help="torchscript, or onnx (needs the onnx and onnxruntime packages)")
-    parser.add_argument("--output", default=None, help="the file to write (default: beside the weights, e.g. model-best.torchscript.pt)")
+    parser.add_argument("--format", default="pt2", choices=list(SUFFIXES),
+                        help=f"pt2: torch.export, loads with torch.export.load; onnx: needs pip install {ONNX_PACKAGES}; "
+                             "torchscript: deprecated by PyTorch, for old deployments only")
+    parser.add_argument("--output", default=None, help="the file to write (default: beside the weights, e.g. model-best.pt2)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never one this command reads: the weights, args.json or class_indices.json)")
     return parser
 
 
-def export_torchscript(model, example, path):
-    """Trace the model (the same operations for every input of this shape) and save it."""
-    with warnings.catch_warnings():  # torch marks TorchScript as deprecated in favour of torch.export
-        warnings.simplefilter("ignore", FutureWarning)
-        traced = torch.jit.trace(model, example)
-        buffer = io.BytesIO()
-        torch.jit.save(traced, buffer)
-    write_bytes_atomic(buffer.getvalue(), path)
-
-    def run_exported(images):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return torch.jit.load(path)(images)
-
-    return run_exported
+def export_pt2(model, example, path, run):
+    """torch.export the model for any batch size, with ``run`` inside; loaded back as predict.py does."""
+    export_program(model, example, path, run)
+    return load_program(path)[0]
 
 
-def export_onnx(model, example, path):
-    """Export with a dynamic batch dimension; checked with onnx.checker and run by onnxruntime."""
+def export_onnx(model, example, path, run):
+    """ONNX through torch.onnx's dynamo exporter, any batch size; checked with onnx.checker and
+    run by onnxruntime."""
     try:
         import onnx
         import onnxruntime
+        import onnxscript  # noqa: F401  (the dynamo exporter needs it)
     except ImportError:
-        raise UserError("--format onnx needs the onnx and onnxruntime packages: pip install onnx onnxruntime "
-                        "(or use --format torchscript)") from None
-    buffer = io.BytesIO()
-    options = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
-    with warnings.catch_warnings():  # torch >= 2.9 calls this (TorchScript-based) exporter legacy
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(model, (example,), buffer, input_names=["images"], output_names=["logits"],
-                          dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **options)
-    onnx.checker.check_model(onnx.load_from_string(buffer.getvalue()))
-    write_bytes_atomic(buffer.getvalue(), path)
+        raise UserError(f"--format onnx needs the {ONNX_PACKAGES.replace(' ', ', ')} packages: pip install "
+                        f"{ONNX_PACKAGES} (or use --format pt2, the default)") from None
+    if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
+        raise UserError(f"--format onnx needs torch 2.5 or later (this is {torch.__version__}); or use --format pt2")
+    program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=ANY_BATCH,
+                                input_names=["images"], output_names=["logits"], verbose=False)
+    proto = program.model_proto
+    onnx.checker.check_model(proto)
+    write_bytes_atomic(proto.SerializeToString(), path)
 
     def run_exported(images):
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -77,19 +80,39 @@ def export_onnx(model, example, path):
     return run_exported
 
 
+def export_torchscript(model, example, path, run):
+    """Trace the model (the same operations for every input of this shape) and save it. PyTorch
+    deprecates TorchScript: its FutureWarnings are shown."""
+    print("note: TorchScript is deprecated by PyTorch; --format pt2 (the default) is its successor")
+    traced = torch.jit.trace(model, example)
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    write_bytes_atomic(buffer.getvalue(), path)
+    return torch.jit.load(path)
+
+
+EXPORTERS = {"pt2": export_pt2, "onnx": export_onnx, "torchscript": export_torchscript}
+
+
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
     output = args.output or os.path.splitext(args.weights)[0] + SUFFIXES[args.format]
     # before any work: never a user's file without --overwrite, never an input (the default name too)
     check_new_output(output, trained_model_files(args), args.overwrite)
+    if args.format == "pt2" and not output.endswith(".pt2"):
+        raise UserError(f"--output {printable(output)}: a torch.export program's name must end in .pt2 "
+                        "(torch.export.load reads it by that)")
     model, model_name, img_size, classes = load_trained_model(args)
 
     generator = torch.Generator().manual_seed(0)
     example = torch.randn(2, 3, img_size, img_size, generator=generator)
+    resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
+    run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "mean": IMAGENET_MEAN,
+           "std": IMAGENET_STD, "classes": classes}
     unchecked = unchecked_path(output)
     try:
         with torch.no_grad():
-            run_exported = {"torchscript": export_torchscript, "onnx": export_onnx}[args.format](model, example, unchecked)
+            run_exported = EXPORTERS[args.format](model, example, unchecked, run)
             check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
             difference = float((run_exported(check) - model(check)).abs().max())
         if difference > TOLERANCE:
@@ -99,16 +122,17 @@ def main(argv=None):
     finally:
         if os.path.exists(unchecked):
             os.remove(unchecked)  # never leave a file that was not checked
-    resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
     print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
                     f"{img_size}): shorter side resized to {resize}, center-cropped, normalised with ImageNet's "
                     f"mean and std); max difference to the eager model on a check batch: {difference:.2e}"))
 
 
 def unchecked_path(output):
-    """A hidden name beside ``output`` for the file until it has been checked."""
+    """A hidden name beside ``output`` for the file until it has been checked; it ends as
+    ``output`` does (torch.export.load goes by the .pt2 ending)."""
     folder, name = os.path.split(os.path.abspath(output))
-    return os.path.join(folder, f".{name}.{os.getpid()}.unchecked")
+    stem, suffix = os.path.splitext(name)
+    return os.path.join(folder, f".{stem}.{os.getpid()}.unchecked{suffix}")
 
 
 if __name__ == "__main__":

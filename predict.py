@@ -2,9 +2,11 @@
 
     python predict.py --weights weights/model-best.pth --image my_photo.jpg
     python predict.py --weights weights/model-best.pth --image data/demo/ --output runs/predictions.csv
+    python predict.py --weights weights/model-best.pt2 --image my_photo.jpg   # export.py's program
 
 The model name and image size come from the run's args.json beside the weights, the class
-names from its class_indices.json (or from --model, --img-size, --class-indices). A file that
+names from its class_indices.json (or from --model, --img-size, --class-indices); a .pt2
+from export.py carries all three and the resize inside. A file that
 cannot be read is named and skipped; the rest of the folder is still predicted.
 """
 import argparse
@@ -22,7 +24,9 @@ from multi_train_utils.errors import UserError, one_line, printable, run_cli
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
+from multi_train_utils.exported import load_program
+from multi_train_utils.run_files import (load_trained_model, read_class_indices, read_val_resize_size,
+                                         trained_model_files)
 from utils import IMG_EXTENSIONS
 
 
@@ -125,10 +129,7 @@ def main(argv=None):
     device = select_device(args.device)
     configure_cpu_threads(device)
 
-    model, _, img_size, classes = load_trained_model(args)
-    model.to(device)
-
-    val_resize = read_val_resize_size(args, img_size)  # the run's --val-resize-size
+    model, img_size, val_resize, classes = load_model(args, device)
     _, transform = build_transforms(img_size, val_resize_size=val_resize)  # the validation transform
     dataset = ImageFiles(paths, transform, keep_side=val_resize)
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1, max(0, len(paths) // 8))
@@ -157,6 +158,23 @@ def main(argv=None):
         print(printable(f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {args.output}; {skipped_note}"))
     elif folder or skipped:
         print(f"predicted {len(rows)} image{'s' * (len(rows) != 1)}; {skipped_note}")
+
+
+def load_model(args, device):
+    """(the model on ``device``, in eval mode; its image size; the validation resize; class
+    names) of --weights: a .pth with its run's files, or a .pt2 from export.py."""
+    if not args.weights.endswith(".pt2"):
+        model, _, img_size, classes = load_trained_model(args)
+        return model.to(device), img_size, read_val_resize_size(args, img_size), classes
+    given = [flag for flag in ("--model", "--img-size") if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise UserError(f"{given[0]}: a .pt2 holds its model and image size; leave {' and '.join(given)} out")
+    model, run = load_program(args.weights, device)
+    classes = read_class_indices(args.class_indices) if args.class_indices else run["classes"]
+    if len(classes) != len(run["classes"]):
+        raise UserError(f"--class-indices {printable(args.class_indices)}: names {len(classes)} classes, the .pt2 "
+                        f"predicts {len(run['classes'])}")
+    return model, run["img_size"], args.val_resize_size or run["val_resize_size"], classes
 
 
 def prediction_rows(rows, classes):

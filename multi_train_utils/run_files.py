@@ -175,10 +175,13 @@ def read_run_settings(weights, model=None, img_size=None, class_indices=None):
 
 def trained_model_files(args):
     """(what, path) of each file predict.py and export.py read besides the images: --weights,
-    the run's args.json and class_indices.json beside it, and --class-indices if given."""
+    the run's args.json and class_indices.json beside it (not for a .pt2), and --class-indices
+    if given."""
     run_dir = os.path.dirname(os.path.abspath(args.weights))
-    files = [("the --weights file", args.weights), (f"the run's {ARGS_FILE}", os.path.join(run_dir, ARGS_FILE)),
-             (f"the run's {CLASSES_FILE}", os.path.join(run_dir, CLASSES_FILE))]
+    files = [("the --weights file", args.weights)]
+    if not args.weights.endswith(".pt2"):  # a .pt2 carries its run's settings inside
+        files += [(f"the run's {ARGS_FILE}", os.path.join(run_dir, ARGS_FILE)),
+                  (f"the run's {CLASSES_FILE}", os.path.join(run_dir, CLASSES_FILE))]
     if args.class_indices:
         files.append(("the --class-indices file", args.class_indices))
     return files

@@ -3,17 +3,23 @@ end summaries, predict.py, --eval-output and export.py."""
 import csv
 import glob
 import hashlib
+import json
 import os
 import random
+import subprocess
 import tarfile
 
 import pytest
 import torch
 from PIL import Image
 
-from conftest import CLASSES, MODEL, PYTHON, REPO, read_metrics, run, script, write_class_folder
+import export
+import predict
+from conftest import (CLASSES, MODEL, PYTHON, REPO, RUN_TIMEOUT, read_metrics, run, script, subprocess_env,
+                      write_class_folder)
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import download_flower_photos
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.pictures import plot_class_distribution, save_figure
 
 PNGS = ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png")
@@ -296,6 +302,8 @@ def test_eval_only_writes_the_confusion_matrix_only_with_eval_output(single_run,
 # --- export.py ------------------------------------------------------------------------------------
 
 def exported_matches_eager(single_run, tmp_path, fmt, load):
+    """export.py --format ``fmt`` exits 0, and ``load(path, images)`` of its file gives the eager
+    model's logits (loaded here from the weights) on a batch of another size; its stdout."""
     from model import create_model
 
     weights = os.path.join(single_run["out"], "model-best.pth")
@@ -309,21 +317,82 @@ def exported_matches_eager(single_run, tmp_path, fmt, load):
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (load(str(output), images) - model(images)).abs().max() <= 1e-4
+    return result
 
 
-def test_export_torchscript(single_run, tmp_path):
-    exported_matches_eager(single_run, tmp_path, "torchscript", lambda path, x: torch.jit.load(path)(x))
+# Loads the .pt2 as a deployment would: torch alone, from another folder, no project module importable.
+LOAD_PT2 = """
+import json, sys, torch
+extra = {"run.json": ""}
+model = torch.export.load(sys.argv[1], extra_files=extra).module()
+assert "multi_train_utils" not in sys.modules and "model" not in sys.modules
+torch.save({"logits": model(torch.load(sys.argv[2])), "run": json.loads(extra["run.json"])}, sys.argv[3])
+"""
+
+
+def test_export_pt2_loads_with_torch_alone_and_agrees_with_eager(single_run, tmp_path):
+    elsewhere = tmp_path / "deployment"
+    elsewhere.mkdir()
+
+    def load(path, images):
+        torch.save(images, elsewhere / "images.pt")
+        result = subprocess.run([PYTHON, "-c", LOAD_PT2, path, "images.pt", "out.pt"], cwd=elsewhere,
+                                capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                                env={k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"})
+        assert result.returncode == 0, result.stderr
+        out = torch.load(elsewhere / "out.pt", weights_only=True)
+        load.run = out["run"]
+        return out["logits"]
+
+    result = exported_matches_eager(single_run, tmp_path, "pt2", load)
+    assert "(pt2, " in result.stdout and "Warning" not in result.stderr, result.stderr
+    with open(os.path.join(single_run["out"], "class_indices.json")) as f:
+        classes = [name for _, name in sorted(json.load(f).items(), key=lambda item: int(item[0]))]
+    assert load.run == {"model": MODEL, "img_size": 32, "val_resize_size": 37, "mean": list(IMAGENET_MEAN),
+                        "std": list(IMAGENET_STD), "classes": classes}  # round(32 x 256 / 224) = 37
 
 
 def test_export_onnx(single_run, tmp_path):
-    pytest.importorskip("onnx", reason="ONNX export is optional: pip install onnx onnxruntime")
-    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export is optional: pip install onnx onnxruntime")
+    for package in ("onnx", "onnxscript"):
+        pytest.importorskip(package, reason="ONNX export is optional: pip install onnx onnxscript onnxruntime")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="ONNX export is optional: pip install onnx onnxscript "
+                                                            "onnxruntime")
 
     def load(path, images):
         session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
         return torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
 
     exported_matches_eager(single_run, tmp_path, "onnx", load)
+
+
+def test_export_torchscript_still_works_and_says_it_is_deprecated(single_run, tmp_path):
+    def load(path, images):
+        with pytest.warns(FutureWarning, match="deprecated"):  # torch's own warning, not hidden
+            return torch.jit.load(path)(images)
+
+    result = exported_matches_eager(single_run, tmp_path, "torchscript", load)
+    assert "note: TorchScript is deprecated by PyTorch; --format pt2 (the default) is its successor" in result.stdout
+    assert "FutureWarning: `torch.jit.trace` is deprecated" in result.stderr  # shown to the user as torch wrote it
+
+
+def test_predict_runs_a_pt2_as_its_weights(single_run, tiny_data, tmp_path):
+    """The same probabilities from the .pt2 alone (moved away from its run) as from the .pth."""
+    weights = os.path.join(single_run["out"], "model-best.pth")
+    program = tmp_path / "alone" / "flowers.pt2"
+    program.parent.mkdir()
+    assert export.main(["--weights", weights, "--output", str(program)]) is None
+    images = tiny_data["val"]
+    tables = {}
+    for name, flags in (("pth", ["--weights", weights]), ("pt2", ["--weights", str(program)])):
+        predict.main([*flags, "--image", images, "--output", str(tmp_path / f"{name}.csv"), "--workers", "0"])
+        with open(tmp_path / f"{name}.csv") as f:
+            tables[name] = list(csv.reader(f))
+    assert tables["pt2"][0] == tables["pth"][0] and len(tables["pt2"]) == 8  # header with the class names, 7 images
+    for ours, theirs in zip(tables["pt2"][1:], tables["pth"][1:]):
+        assert ours[:2] == theirs[:2]  # path and prediction
+        assert max(abs(float(a) - float(b)) for a, b in zip(ours[2:], theirs[2:])) <= 1e-5
+    with pytest.raises(UserError, match="^--img-size: a .pt2 holds its model and image size"):
+        predict.main(["--weights", str(program), "--image", images, "--img-size", "32"])
 
 
 def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
@@ -340,5 +409,5 @@ def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
         assert result.returncode == 2, (missing, result.stdout + result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
         (line,) = result.stderr.strip().splitlines()
-        assert line.startswith("error: --format onnx needs") and "pip install onnx onnxruntime" in line, line
+        assert line.startswith("error: --format onnx needs") and "pip install onnx onnxscript onnxruntime" in line, line
         assert {p.name for p in tmp_path.iterdir()} <= {"without-onnx", "without-onnxruntime"}  # no file left

@@ -1,0 +1,48 @@
+"""A torch.export program (.pt2) as export.py writes it: the model's graph and weights, with the
+run's class names and preprocessing inside (RUN_FILE), so that it loads with torch alone."""
+import io
+import json
+
+import torch
+
+from multi_train_utils.errors import UserError, one_line, printable
+from multi_train_utils.files import write_bytes_atomic
+
+RUN_FILE = "run.json"  # inside a .pt2: model, img_size, val_resize_size, mean, std, classes
+RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")
+# torch.export's dynamic_shapes of the one input: any batch size, the rest as the example's
+ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
+
+
+def export_program(model, example, path, run):
+    """torch.export ``model`` for image batches of any size like ``example`` and save it to
+    ``path`` with ``run`` (a dict of RUN_KEYS) inside."""
+    program = torch.export.export(model, (example,), dynamic_shapes=ANY_BATCH)
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps({key: run[key] for key in RUN_KEYS})})
+    write_bytes_atomic(buffer.getvalue(), path)
+
+
+def load_program(path, device=None):
+    """(the callable model, its run dict) of a .pt2 that export.py wrote, on ``device`` (CPU
+    if None); a file that is not one is a UserError naming it."""
+    extra = {RUN_FILE: ""}
+    try:
+        program = torch.export.load(path, extra_files=extra)
+    except FileNotFoundError:
+        raise UserError(f"--weights {printable(path)}: no such file (export one: python export.py --weights "
+                        "model-best.pth)") from None
+    except Exception as e:  # torch raises many types for a file that is not a program
+        raise UserError(f"--weights {printable(path)}: not a torch.export program ({one_line(e)}); export one "
+                        "with export.py") from None
+    try:
+        run = json.loads(extra[RUN_FILE])
+        missing = [key for key in RUN_KEYS if key not in run]
+    except (ValueError, TypeError):
+        run, missing = {}, list(RUN_KEYS)
+    if missing:
+        raise UserError(f"--weights {printable(path)}: has no {RUN_FILE} with {', '.join(missing)} (a program "
+                        "export.py did not write); export it again with export.py")
+    if device is not None and device.type != "cpu":
+        program = torch.export.passes.move_to_device_pass(program, device)
+    return program.module(), run
