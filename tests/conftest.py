@@ -60,10 +60,25 @@ NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0
 os.environ.update(NO_NETWORK)  # the tests that run in-process too
 
 
+# A deprecation is a failure, the day it appears: a DeprecationWarning or FutureWarning is an
+# error in this process (pytest's filterwarnings) and in every process a test starts
+# (PYTHONWARNINGS), where the training scripts run. THIRD_PARTY_INTERNALS would list, after
+# them, the warnings a package raises about its own internals, never about a call of ours
+# (none today); a test that expects a warning (TorchScript's) passes its own PYTHONWARNINGS.
+DEPRECATIONS_AS_ERRORS = ("error::DeprecationWarning", "error::FutureWarning")
+THIRD_PARTY_INTERNALS = ()
+
+
+def pytest_configure(config):
+    for line in DEPRECATIONS_AS_ERRORS + THIRD_PARTY_INTERNALS:  # the last matching line wins
+        config.addinivalue_line("filterwarnings", line)
+
+
 def subprocess_env(extra=None):
-    """This environment without any launcher's variables, with no network, plus ``extra``."""
+    """This environment without any launcher's variables, with no network, deprecations as
+    errors (DEPRECATIONS_AS_ERRORS), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO, **NO_NETWORK)
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO, PYTHONWARNINGS=",".join(DEPRECATIONS_AS_ERRORS), **NO_NETWORK)
     env.update(extra or {})
     return env
 
@@ -115,7 +130,9 @@ class Prestarted:
         with self.lock:
             if self.server is None or self.server.poll() is not None:
                 self.folder = tempfile.mkdtemp(prefix="prestarted-")
-                self.server = subprocess.Popen([PYTHON, PRESTARTED], cwd=REPO, env=subprocess_env(),
+                # the server imports third-party packages only; each child applies its own PYTHONWARNINGS
+                server_env = {k: v for k, v in subprocess_env().items() if k != "PYTHONWARNINGS"}
+                self.server = subprocess.Popen([PYTHON, PRESTARTED], cwd=REPO, env=server_env,
                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             self.count += 1
             prefix = os.path.join(self.folder, str(self.count))

@@ -169,7 +169,7 @@ def test_predict_and_export_never_write_over_an_input_nor_unasked_over_a_file(tr
     for output in (weights, "./model-best.pth", "../run/args.json", str(tmp_path / "link.pth"),
                    str(tmp_path / "hard-link.json"), "class_indices.json", str(tmp_path / "names.json")):
         for overwrite in ([], ["--overwrite"]):
-            for main, flags in ((export.main, ["--format", "torchscript"]), (predict.main, ["--image", str(image)])):
+            for main, flags in ((export.main, []), (predict.main, ["--image", str(image)])):
                 refused(main, ["--weights", weights, "--class-indices", str(tmp_path / "names.json"), *flags,
                                "--output", output, *overwrite], reads)
     refused(predict.main, ["--weights", weights, "--image", str(image.parent), "--output", str(image), "--overwrite"],
@@ -179,31 +179,30 @@ def test_predict_and_export_never_write_over_an_input_nor_unasked_over_a_file(tr
                 f"--output {mine}: exists; pass --overwrite to replace it, or choose another path")
         refused(main, ["--weights", weights, *flags, "--output", str(tmp_path)], "is a folder")
     (tmp_path / "link.pth").unlink()
-    os.symlink(weights, trained / "model-best.torchscript.pt")
-    refused(export.main, ["--weights", weights, "--format", "torchscript", "--overwrite"],
-            "model-best.torchscript.pt: is the --weights file")  # the default name, a link to the weights
-    (trained / "model-best.torchscript.pt").unlink()
+    os.symlink(weights, trained / "model-best.pt2")
+    refused(export.main, ["--weights", weights, "--overwrite"],
+            "model-best.pt2: is the --weights file")  # the default name, a link to the weights
+    (trained / "model-best.pt2").unlink()
     assert {**contents(trained), **contents(tmp_path)} == {k: v for k, v in before.items() if k != "link.pth"}
 
 
 def test_with_overwrite_only_a_checked_export_replaces_the_file(trained, tmp_path, monkeypatch, capsys):
-    weights, output = str(trained / "model-best.pth"), tmp_path / "model.pt"
+    weights, output = str(trained / "model-best.pth"), tmp_path / "model.pt2"
     output.write_bytes(b"an earlier export")
-    tiny = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 8), torch.nn.Flatten()).eval()  # traced in milliseconds
+    tiny = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 8), torch.nn.Flatten()).eval()  # exported in a second
     monkeypatch.setattr(export, "load_trained_model", lambda args: (tiny, "tiny", 8, CLASSES))
     monkeypatch.setattr(export, "TOLERANCE", -1.0)  # every check fails
-    refused(export.main, ["--weights", weights, "--format", "torchscript", "--output", str(output), "--overwrite"],
-            "differs from the eager one")
-    assert sorted(os.listdir(tmp_path)) == ["model.pt", "run"] and output.read_bytes() == b"an earlier export"
+    refused(export.main, ["--weights", weights, "--output", str(output), "--overwrite"], "differs from the eager one")
+    assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"] and output.read_bytes() == b"an earlier export"
 
     monkeypatch.setattr(export, "TOLERANCE", 1e-4)
-    export.main(["--weights", weights, "--format", "torchscript", "--output", str(output), "--overwrite"])
+    export.main(["--weights", weights, "--output", str(output), "--overwrite"])
     printed = capsys.readouterr().out
-    assert printed.startswith(f"wrote {output} (torchscript")
+    assert printed.startswith(f"wrote {output} (pt2")
     assert "shorter side resized to 9, center-cropped" in printed  # round(8 x 256 / 224): no --val-resize-size
-    assert sorted(os.listdir(tmp_path)) == ["model.pt", "run"]
+    assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"]
     images = torch.randn(2, 3, 8, 8)
-    assert torch.equal(torch.jit.load(str(output))(images), tiny(images))
+    assert torch.equal(torch.export.load(str(output)).module()(images), tiny(images))
 
 
 # --- CSV files that are safe to open ------------------------------------------------------------------

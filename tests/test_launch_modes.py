@@ -185,16 +185,25 @@ def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path, tin
     for command in commands:
         argv = shlex.split(command)
         assert argv[0] == "python" and argv[1].endswith(".py"), command
-    # they read the run and write to different places: two at a time (each is mostly start-up)
+    # they read the run and write to different places: two at a time (each is mostly start-up),
+    # those that read export.py's model-best.pt2 after it
     from concurrent.futures import ThreadPoolExecutor
 
+    def readme_run(command):
+        return command, run([PYTHON, script(shlex.split(command)[1]), *shlex.split(command)[2:]], cwd=str(project))
+
+    later = [c for c in commands if "model-best.pt2" in c]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda c: run([PYTHON, script(shlex.split(c)[1]), *shlex.split(c)[2:]],
-                                              cwd=str(project)), commands))
-    for command, result in zip(commands, results):
+        results = list(pool.map(readme_run, [c for c in commands if c not in later]))
+    results += [readme_run(c) for c in later]
+    assert later and len(results) == len(commands)
+    for command, result in results:
         assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
     assert set(os.listdir(project)) <= {"data", "runs", "weights"}  # only into git-ignored folders
-    assert (tmp_path / "off" / "model-best.torchscript.pt").is_file()
+    assert (tmp_path / "off" / "model-best.pt2").is_file()
+    (predicted,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pt2")]
+    (eager,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pth")]
+    assert predicted.split()[:2] == eager.split()[:2] and predicted.startswith("data/demo/roses/roses_0001.jpg: ")
     assert (project / "runs" / "eval" / "confusion_matrix.csv").is_file()
     # a second --demo run reuses the data as it is
     stamp = os.stat(data / "daisy" / "daisy_0000.jpg").st_mtime_ns

@@ -111,14 +111,18 @@ def test_eval_only_of_twelve_classes_counts_each_prediction_under_its_class(twel
 
 
 def test_export_keeps_the_twelve_logits_in_index_order(twelve_class_run, tmp_path):
-    output = tmp_path / "crafted.torchscript.pt"
+    output = tmp_path / "crafted.pt2"
     result = run([PYTHON, script("export.py"), "--weights", str(twelve_class_run["out"] / "crafted.pth"),
-                  "--format", "torchscript", "--output", str(output)])
+                  "--output", str(output)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"(torchscript, {MODEL}, 12 classes, input (N, 3, 32, 32)" in result.stdout
-    logits = torch.jit.load(str(output))(torch.randn(2, 3, 32, 32))
+    assert f"(pt2, {MODEL}, 12 classes, input (N, 3, 32, 32)" in result.stdout
+    inside = {"run.json": ""}
+    logits = torch.export.load(str(output), extra_files=inside).module()(torch.randn(2, 3, 32, 32))
     assert logits.shape == (2, 12)
     assert logits[0].argsort(descending=True).tolist() == RANKING
+    with open(twelve_class_run["out"] / "class_indices.json") as f:
+        names = json.load(f)
+    assert json.loads(inside["run.json"])["classes"] == [names[str(i)] for i in range(12)]  # class i's name at index i
 
 
 # --- --seed: the data order of both scripts; both scripts make the same recipe from the same flags --

@@ -18,6 +18,7 @@ import json
 import os
 import select
 import sys
+import warnings
 
 import matplotlib  # noqa: F401  (the heavy third-party imports of the project, once)
 import numpy
@@ -30,6 +31,7 @@ import torchvision.transforms.v2  # noqa: F401
 import tqdm  # noqa: F401
 
 BASE_PATH = list(sys.path[1:])  # without this helper's own folder
+FILTERS = list(warnings.filters)  # a new process's warning filters after these imports, before PYTHONWARNINGS
 
 
 def run_child(request):
@@ -43,6 +45,10 @@ def run_child(request):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # the child's PYTHONWARNINGS, as a new interpreter reads it at start (-W's own parser)
+    warnings.filters[:] = FILTERS
+    sys.warnoptions[:] = [option for option in os.environ.get("PYTHONWARNINGS", "").split(",") if option]
+    warnings._processoptions(sys.warnoptions)
     stdin = os.open(os.devnull, os.O_RDONLY)
     stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
