@@ -5,8 +5,10 @@ import shlex
 
 import pytest
 
-from conftest import (CORES, PROBE, PYTHON, REPO, TORCHRUN, assert_run_outputs, cpuinfo_lists_bf16, free_port,
-                      probe_records, read_metrics, run, script, subprocess_env, train_args)
+from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHRUN, assert_run_outputs,
+                      cpuinfo_lists_bf16, free_port, probe_records, read_metrics, run, script, subprocess_env,
+                      train_args)
+from multi_train_utils import images
 
 
 def assert_default_precision(stdout, records):
@@ -28,6 +30,7 @@ def test_python_train_single(single_run):
     assert "broken.jpg: not a readable image" in stdout
     assert ".hidden" not in stdout and "notes.txt" not in stdout
     assert f"({CORES} threads)" in stdout  # one process gets all the cores
+    assert f"loader workers per process, JPEGs decoded by {images.JPEG_DECODER}" in stdout
     assert_default_precision(stdout, [single_run["probe"]])  # the fast defaults, printed and used
     # TensorBoard events from rank 0
     assert glob.glob(single_run["out"] + "-tb/*/events.out.tfevents.*")
@@ -46,12 +49,16 @@ def test_torchrun_two_processes(ddp_run):
 
 
 def test_torch_distributed_launch(tiny_data, tmp_path):
-    """The deprecated launcher passes --local-rank=K; the script accepts it. Also --syncBN on CPU."""
+    """The deprecated launcher passes --local-rank=K; the script accepts it. Also --syncBN on CPU.
+    The launcher's own FutureWarning is the user's to see, not an error of the suite's."""
     out = tmp_path / "out"
+    launcher_deprecated = "default:The module torch.distributed.launch is deprecated:FutureWarning"
     result = run([PYTHON, "-m", "torch.distributed.launch", "--nproc_per_node=2", "--master_port", str(free_port()),
                   script("train_multi_gpu.py"), "--syncBN",
-                  *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+                  *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
+                 env={"PYTHONWARNINGS": ",".join(DEPRECATIONS_AS_ERRORS + (launcher_deprecated,))})
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "FutureWarning: The module torch.distributed.launch is deprecated" in result.stderr
     assert "world size: 2" in result.stdout
     # torch has SyncBatchNorm for GPUs only: on CPU a warning, once, and plain BatchNorm
     assert result.stdout.count("warning: --sync-bn needs GPUs; keeping plain BatchNorm on CPU") == 1

@@ -337,3 +337,25 @@ def make_benchmark_data(root):
         for i in range(PER_CLASS):  # 18 training images a class at --val-rate 0.1: 11 batches of 8
             _draw_flower(rng, petal, centre, petals, (80, 64)).save(root / name / f"{i}.jpg")
     return root
+
+
+def test_benchmark_decoders_times_each_decoder_with_and_without_the_reduced_decode(tmp_path, monkeypatch, capsys):
+    """benchmark.py --decoders: a row per crop size x decoder x reduced-size decode, each timed
+    over every JPEG (a PNG left out), and each decoder's full-size pixels against PIL's."""
+    import benchmark
+
+    data = make_benchmark_data(tmp_path / "data")
+    flower((90, 70)).save(data / "daisy" / "not-a-jpeg.png")
+    out = tmp_path / "decoders.json"
+    benchmark.main(["--decoders", "32,48", "--decoder-repeats", "2", "--data-path", str(data), "--json", str(out)])
+    report = json.loads(out.read_text())
+    jpegs = len(DEMO_CLASSES) * PER_CLASS
+    assert report["images"] == jpegs
+    expected = ["TorchCodec", "PIL"] if images.decode_jpeg is not None else ["PIL"]
+    assert [(r["img_size"], r["reduced"], r["decoder"]) for r in report["decoders"]] == [
+        (size, reduced, name) for size in (32, 48) for reduced in (True, False) for name in expected]
+    for row in report["decoders"]:
+        assert len(row["passes"]) == 2 and row["images_per_second"] == pytest.approx(sum(row["passes"]) / 2)  # median
+        assert row["mean_difference_to_pil"] < 1.0
+    assert all(r["max_difference_to_pil"] == 0 for r in report["decoders"] if r["decoder"] == "PIL")
+    assert f"{jpegs} JPEGs from {data}" in capsys.readouterr().out

@@ -327,3 +327,23 @@ def test_every_planted_bug_still_applies_and_names_a_test():
             assert f"def {match.group(2)}(" in f.read(), (patch, first)
         check = subprocess.run(["git", "apply", "--check", patch], cwd=REPO, capture_output=True, text=True)
         assert check.returncode == 0, (patch, check.stderr)
+
+
+def test_a_deprecation_is_an_error_in_the_suite_and_in_every_process_it_starts(tmp_path, monkeypatch):
+    """What makes the suite fail the day the project calls a deprecated API: here pytest's
+    filterwarnings, in a started script (forked from the prestarted Python or not) PYTHONWARNINGS."""
+    import warnings
+
+    from conftest import PYTHON, run
+
+    for category in (DeprecationWarning, FutureWarning):
+        with pytest.raises(category, match="an API of the past"):
+            warnings.warn("an API of the past", category)
+    old = tmp_path / "old.py"
+    old.write_text("import warnings\nprint('before')\nwarnings.warn('an API of the past', FutureWarning)\n"
+                   "print('after')\n")
+    for fresh in ("0", "1"):  # TESTS_FRESH_PROCESSES=1: a new interpreter instead of a fork
+        monkeypatch.setenv("TESTS_FRESH_PROCESSES", fresh)
+        result = run([PYTHON, str(old)])
+        assert result.returncode == 1 and result.stdout == "before\n", (fresh, result.stdout, result.stderr)
+        assert "FutureWarning: an API of the past" in result.stderr

@@ -379,14 +379,15 @@ def test_export_torchscript_still_works_and_says_it_is_deprecated(single_run, tm
 
 
 def test_predict_runs_a_pt2_as_its_weights(single_run, tiny_data, tmp_path):
-    """The same probabilities from the .pt2 alone (moved away from its run) as from the .pth."""
+    """The same probabilities from the .pt2 alone (away from its run, its resize of 48 inside) as
+    from the .pth with that resize."""
     weights = os.path.join(single_run["out"], "model-best.pth")
     program = tmp_path / "alone" / "flowers.pt2"
     program.parent.mkdir()
-    assert export.main(["--weights", weights, "--output", str(program)]) is None
+    assert export.main(["--weights", weights, "--val-resize-size", "48", "--output", str(program)]) is None
     images = tiny_data["val"]
     tables = {}
-    for name, flags in (("pth", ["--weights", weights]), ("pt2", ["--weights", str(program)])):
+    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)])):
         predict.main([*flags, "--image", images, "--output", str(tmp_path / f"{name}.csv"), "--workers", "0"])
         with open(tmp_path / f"{name}.csv") as f:
             tables[name] = list(csv.reader(f))
