@@ -1,5 +1,7 @@
-"""A torch.export program (.pt2) as export.py writes it: the model's graph and weights, with the
-run's class names and preprocessing inside (RUN_FILE), so that it loads with torch alone."""
+"""A torch.export program (.pt2) as export.py writes and predict.py reads it.
+
+The model's graph and weights, with the run's class names and preprocessing inside (RUN_FILE),
+so that it loads with torch alone."""
 import io
 import json
 

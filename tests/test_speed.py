@@ -13,7 +13,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, require_torchcodec_where_installed, run
+from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, outcome, require_torchcodec_where_installed, run
 from model import create_model, plain_state_dict
 from multi_train_utils import images, performance
 from multi_train_utils.errors import RankError, UserError
@@ -72,8 +72,9 @@ def test_jpeg_decodes_to_the_same_pixels_as_pil(decoder, tmp_path, monkeypatch):
         monkeypatch.setattr(images, "decode_jpeg", None)  # the fallback
     path = tmp_path / "a.jpg"
     flower((90, 70)).save(path, quality=90)
-    ours = read_image_uint8(str(path))
+    ours = outcome(lambda: read_image_uint8(str(path)))  # a deprecated decoder's warning is an error here
     pil = torch.from_numpy(__import__("numpy").array(Image.open(path).convert("RGB"))).permute(2, 0, 1)
+    assert isinstance(ours, torch.Tensor), ours
     assert ours.dtype == torch.uint8 and ours.shape == (3, 70, 90)
     assert (ours.float() - pil.float()).abs().mean() < 1.0  # libjpeg-turbo in both: equal here, up to its version
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 import export
 import predict
-from conftest import (CLASSES, MODEL, PYTHON, REPO, RUN_TIMEOUT, read_metrics, run, script, subprocess_env,
+from conftest import (CLASSES, MODEL, PYTHON, REPO, RUN_TIMEOUT, outcome, read_metrics, run, script, subprocess_env,
                       write_class_folder)
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import download_flower_photos
@@ -384,7 +384,8 @@ def test_predict_runs_a_pt2_as_its_weights(single_run, tiny_data, tmp_path):
     weights = os.path.join(single_run["out"], "model-best.pth")
     program = tmp_path / "alone" / "flowers.pt2"
     program.parent.mkdir()
-    assert export.main(["--weights", weights, "--val-resize-size", "48", "--output", str(program)]) is None
+    exported = outcome(lambda: export.main(["--weights", weights, "--val-resize-size", "48", "--output", str(program)]))
+    assert exported is None, exported  # in this process: a deprecated call in export.py is an error here
     images = tiny_data["val"]
     tables = {}
     for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)])):
