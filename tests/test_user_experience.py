@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-import export
 import predict
 from conftest import (CLASSES, MODEL, PYTHON, REPO, RUN_TIMEOUT, outcome, read_metrics, run, script, subprocess_env,
                       write_class_folder)
@@ -301,15 +300,15 @@ def test_eval_only_writes_the_confusion_matrix_only_with_eval_output(single_run,
 
 # --- export.py ------------------------------------------------------------------------------------
 
-def exported_matches_eager(single_run, tmp_path, fmt, load, env=None):
+def exported_matches_eager(single_run, tmp_path, fmt, load, env=None, flags=()):
     """export.py --format ``fmt`` exits 0, and ``load(path, images)`` of its file gives the eager
     model's logits (loaded here from the weights) on a batch of another size; its result."""
     from model import create_model
 
     weights = os.path.join(single_run["out"], "model-best.pth")
     output = tmp_path / f"model.{fmt}"
-    result = run([PYTHON, script("export.py"), "--weights", weights, "--format", fmt, "--output", str(output)],
-                 env=env)
+    result = run([PYTHON, script("export.py"), "--weights", weights, "--format", fmt, "--output", str(output),
+                  *flags], env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "max difference to the eager model" in result.stdout
     model = create_model(MODEL, 5)
@@ -331,7 +330,9 @@ torch.save({"logits": model(torch.load(sys.argv[2])), "run": json.loads(extra["r
 """
 
 
-def test_export_pt2_loads_with_torch_alone_and_agrees_with_eager(single_run, tmp_path):
+def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, tiny_data, tmp_path):
+    """The .pt2 (with a resize of 48) loads in another folder with torch alone and gives the
+    eager logits, with the run inside; predict.py on it alone predicts as on the .pth."""
     elsewhere = tmp_path / "deployment"
     elsewhere.mkdir()
 
@@ -345,12 +346,29 @@ def test_export_pt2_loads_with_torch_alone_and_agrees_with_eager(single_run, tmp
         load.run = out["run"]
         return out["logits"]
 
-    result = exported_matches_eager(single_run, tmp_path, "pt2", load)
+    result = exported_matches_eager(single_run, tmp_path, "pt2", load, flags=["--val-resize-size", "48"])
     assert "(pt2, " in result.stdout and "Warning" not in result.stderr, result.stderr
     with open(os.path.join(single_run["out"], "class_indices.json")) as f:
         classes = [name for _, name in sorted(json.load(f).items(), key=lambda item: int(item[0]))]
-    assert load.run == {"model": MODEL, "img_size": 32, "val_resize_size": 37, "mean": list(IMAGENET_MEAN),
-                        "std": list(IMAGENET_STD), "classes": classes}  # round(32 x 256 / 224) = 37
+    assert load.run == {"model": MODEL, "img_size": 32, "val_resize_size": 48, "mean": list(IMAGENET_MEAN),
+                        "std": list(IMAGENET_STD), "classes": classes}
+
+    program = elsewhere / "flowers.pt2"  # away from its run: no args.json beside it
+    os.replace(tmp_path / "model.pt2", program)
+    weights = os.path.join(single_run["out"], "model-best.pth")
+    tables = {}
+    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)])):
+        predicted = outcome(lambda: predict.main([*flags, "--image", tiny_data["val"], "--workers", "0",
+                                                  "--output", str(tmp_path / f"{name}.csv")]))
+        assert predicted is None, predicted
+        with open(tmp_path / f"{name}.csv") as f:
+            tables[name] = list(csv.reader(f))
+    assert tables["pt2"][0] == tables["pth"][0] and len(tables["pt2"]) == 8  # header with the class names, 7 images
+    for ours, theirs in zip(tables["pt2"][1:], tables["pth"][1:]):
+        assert ours[:2] == theirs[:2]  # path and prediction
+        assert max(abs(float(a) - float(b)) for a, b in zip(ours[2:], theirs[2:])) <= 1e-5
+    with pytest.raises(UserError, match="^--img-size: a .pt2 holds its model and image size"):
+        predict.main(["--weights", str(program), "--image", tiny_data["val"], "--img-size", "32"])
 
 
 def test_export_onnx(single_run, tmp_path):
@@ -378,32 +396,10 @@ def test_export_torchscript_still_works_and_says_it_is_deprecated(single_run, tm
     assert "FutureWarning: `torch.jit.trace` is deprecated" in result.stderr  # shown to the user as torch wrote it
 
 
-def test_predict_runs_a_pt2_as_its_weights(single_run, tiny_data, tmp_path):
-    """The same probabilities from the .pt2 alone (away from its run, its resize of 48 inside) as
-    from the .pth with that resize."""
-    weights = os.path.join(single_run["out"], "model-best.pth")
-    program = tmp_path / "alone" / "flowers.pt2"
-    program.parent.mkdir()
-    exported = outcome(lambda: export.main(["--weights", weights, "--val-resize-size", "48", "--output", str(program)]))
-    assert exported is None, exported  # in this process: a deprecated call in export.py is an error here
-    images = tiny_data["val"]
-    tables = {}
-    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)])):
-        predict.main([*flags, "--image", images, "--output", str(tmp_path / f"{name}.csv"), "--workers", "0"])
-        with open(tmp_path / f"{name}.csv") as f:
-            tables[name] = list(csv.reader(f))
-    assert tables["pt2"][0] == tables["pth"][0] and len(tables["pt2"]) == 8  # header with the class names, 7 images
-    for ours, theirs in zip(tables["pt2"][1:], tables["pth"][1:]):
-        assert ours[:2] == theirs[:2]  # path and prediction
-        assert max(abs(float(a) - float(b)) for a, b in zip(ours[2:], theirs[2:])) <= 1e-5
-    with pytest.raises(UserError, match="^--img-size: a .pt2 holds its model and image size"):
-        predict.main(["--weights", str(program), "--image", images, "--img-size", "32"])
-
-
 def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
     """Whether or not onnx is installed here: a folder first on the child's PYTHONPATH holds an
     onnx.py (or onnxruntime.py) that fails to import, as a missing package does."""
-    for missing in ("onnx", "onnxruntime"):
+    for missing in ("onnx", "onnxscript", "onnxruntime"):
         blocked = tmp_path / f"without-{missing}"
         blocked.mkdir()
         (blocked / f"{missing}.py").write_text(f"raise ImportError('{missing} is blocked by the test')\n")
@@ -415,4 +411,4 @@ def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
         assert "Traceback" not in result.stderr, result.stderr
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: --format onnx needs") and "pip install onnx onnxscript onnxruntime" in line, line
-        assert {p.name for p in tmp_path.iterdir()} <= {"without-onnx", "without-onnxruntime"}  # no file left
+        assert {p.name for p in tmp_path.iterdir()} <= {"without-onnx", "without-onnxscript", "without-onnxruntime"}  # no file left
