@@ -229,16 +229,15 @@ class ScriptProcess:
         return code, stdout, stderr, timed_out
 
 
-def require_torchcodec_where_installed():
-    """Fail where TorchCodec is installed but the loader does not decode with it (a version
-    that does not load, a broken import); skip only where it is not installed at all (CI's
-    aarch64 pair, whose torch has no TorchCodec with image decoders)."""
+def torchcodec_decodes():
+    """True where the loader decodes JPEGs with TorchCodec; False where TorchCodec is not
+    installed at all (CI's aarch64 pair, whose torch has no TorchCodec with image decoders);
+    a failure where it is installed but not used (a version that does not load, a broken import)."""
     from multi_train_utils import images
 
-    if images.decode_jpeg is None:
-        if importlib.util.find_spec("torchcodec") is None:
-            pytest.skip("TorchCodec is not installed: PIL decodes every JPEG (tested with the fallback)")
+    if images.decode_jpeg is None and importlib.util.find_spec("torchcodec") is not None:
         pytest.fail(f"TorchCodec is installed but JPEGs are decoded by {images.JPEG_DECODER}")
+    return images.decode_jpeg is not None
 
 
 def run_ranks(world_size, cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):

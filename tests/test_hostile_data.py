@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FAST, PROBE, PYTHON, outcome, require_torchcodec_where_installed, run
+from conftest import FAST, PROBE, PYTHON, outcome, run, torchcodec_decodes
 import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
@@ -62,7 +62,6 @@ STORED = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.
 
 @pytest.mark.parametrize("orientation", sorted(STORED))
 def test_every_decoder_turns_photos_upright_as_their_exif_says(orientation, tmp_path, monkeypatch):
-    require_torchcodec_where_installed()
     stored = upright_picture().transpose(STORED[orientation])
     exif = Image.Exif()
     exif[0x0112] = orientation
@@ -75,7 +74,7 @@ def test_every_decoder_turns_photos_upright_as_their_exif_says(orientation, tmp_
     for dataset in (data.train, data.val):
         dataset.transform = None  # the decoded image itself, at the reduced size training reads
     decoded = {
-        images.JPEG_DECODER: images.read_image_uint8(jpeg),
+        f"JPEG by {images.JPEG_DECODER}": images.read_image_uint8(jpeg),
         "JPEG at reduced size": images.read_image_uint8(jpeg, keep_side=32),
         "PIL (benchmark.py)": torch.as_tensor(np.array(images.load_rgb(jpeg))).permute(2, 0, 1),
         "PNG": images.read_image_uint8(png),
@@ -84,6 +83,7 @@ def test_every_decoder_turns_photos_upright_as_their_exif_says(orientation, tmp_
         "predict.py": ImageFiles([jpeg], transform=lambda image: image, keep_side=images.resize_size(32))[0][0],
     }
     assert decoded["JPEG at reduced size"].shape[1] < 128  # the draft path was taken
+    assert torchcodec_decodes() == ("JPEG by TorchCodec" in decoded)  # its path, wherever it is installed
     monkeypatch.setattr(images, "decode_jpeg", None)  # without TorchCodec: PIL, the fallback
     decoded["PIL for a JPEG"] = images.read_image_uint8(jpeg)
     for where, tensor in decoded.items():

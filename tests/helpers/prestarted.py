@@ -21,11 +21,16 @@ import sys
 import warnings
 
 import matplotlib  # noqa: F401  (the heavy third-party imports of the project, once)
+import matplotlib.backends.backend_agg  # noqa: F401  (what the pictures import where they are drawn)
+import matplotlib.figure  # noqa: F401
 import numpy
 import PIL.Image  # noqa: F401
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
+import torch.export  # noqa: F401  (export.py; its tracer's modules load on first use)
+import torch.export._trace  # noqa: F401
 import torch.utils.data  # noqa: F401
+import torch.utils.tensorboard  # noqa: F401  (the recorder's SummaryWriter)
 import torchvision  # noqa: F401
 import torchvision.transforms.v2  # noqa: F401
 import tqdm  # noqa: F401
