@@ -26,8 +26,8 @@ import os
 import torch
 
 from multi_train_utils.errors import UserError, printable, run_cli
-from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.exported import ANY_BATCH, export_program, load_program
+from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.options import add_trained_model_flags
 from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files

@@ -19,7 +19,12 @@ ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
 def export_program(model, example, path, run):
     """torch.export ``model`` for image batches of any size like ``example`` and save it to
     ``path`` with ``run`` (a dict of RUN_KEYS) inside."""
-    program = torch.export.export(model, (example,), dynamic_shapes=ANY_BATCH)
+    try:
+        program = torch.export.export(model, (example,), dynamic_shapes=ANY_BATCH)
+    except Exception as e:  # torch raises many types for what it cannot capture (data-dependent control flow, ...)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # torch's first line says what; the rest, where
+        raise UserError(f"torch.export cannot capture {run['model']} ({printable(why)}); see "
+                        "https://pytorch.org/docs/stable/export.html for what it needs") from None
     buffer = io.BytesIO()
     torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps({key: run[key] for key in RUN_KEYS})})
     write_bytes_atomic(buffer.getvalue(), path)

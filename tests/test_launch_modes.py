@@ -192,18 +192,22 @@ def test_demo_generates_data_and_learns_as_well_in_bf16_as_in_fp32(tmp_path, tin
     for command in commands:
         argv = shlex.split(command)
         assert argv[0] == "python" and argv[1].endswith(".py"), command
-    # they read the run and write to different places: two at a time (each is mostly start-up),
-    # those that read export.py's model-best.pt2 after it
+    # they read the run and write to different places: two at a time (each is mostly start-up);
+    # the one that reads export.py's model-best.pt2 starts when the export has ended
     from concurrent.futures import ThreadPoolExecutor
 
+    (export_command,) = [c for c in commands if c.startswith("python export.py")]
+
     def readme_run(command):
+        if "model-best.pt2" in command:
+            exported.result()
         return command, run([PYTHON, script(shlex.split(command)[1]), *shlex.split(command)[2:]], cwd=str(project))
 
-    later = [c for c in commands if "model-best.pt2" in c]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(readme_run, [c for c in commands if c not in later]))
-    results += [readme_run(c) for c in later]
-    assert later and len(results) == len(commands)
+        exported = pool.submit(readme_run, export_command)
+        results = [exported] + [pool.submit(readme_run, c) for c in commands if c != export_command]
+        results = [future.result() for future in results]
+    assert len(results) == len(commands) and any("model-best.pt2" in c for c, _ in results)
     for command, result in results:
         assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
     assert set(os.listdir(project)) <= {"data", "runs", "weights"}  # only into git-ignored folders

@@ -18,7 +18,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import FAST, MODEL, PROBE, PYTHON, probe_records, read_metrics, run, run_ranks, script, train_args
+import export
+from conftest import (FAST, MODEL, PROBE, PYTHON, outcome, probe_records, read_metrics, run, run_ranks, script,
+                      train_args)
 
 # --- 12 classes: every index keeps its own name in predict.py, export.py and --eval-only ----------
 
@@ -110,12 +112,12 @@ def test_eval_only_of_twelve_classes_counts_each_prediction_under_its_class(twel
     assert "top5 accuracy: 0.416667 (5/12)" in result.stdout  # one image of each of the top 5 classes
 
 
-def test_export_keeps_the_twelve_logits_in_index_order(twelve_class_run, tmp_path):
+def test_export_keeps_the_twelve_logits_in_index_order(twelve_class_run, tmp_path, capsys):
     output = tmp_path / "crafted.pt2"
-    result = run([PYTHON, script("export.py"), "--weights", str(twelve_class_run["out"] / "crafted.pth"),
-                  "--output", str(output)])
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"(pt2, {MODEL}, 12 classes, input (N, 3, 32, 32)" in result.stdout
+    exported = outcome(lambda: export.main(["--weights", str(twelve_class_run["out"] / "crafted.pth"),
+                                            "--output", str(output)]))
+    assert exported is None, exported
+    assert f"(pt2, {MODEL}, 12 classes, input (N, 3, 32, 32)" in capsys.readouterr().out
     inside = {"run.json": ""}
     logits = torch.export.load(str(output), extra_files=inside).module()(torch.randn(2, 3, 32, 32))
     assert logits.shape == (2, 12)

@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import random
-import subprocess
 import tarfile
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 from PIL import Image
 
 import predict
-from conftest import (CLASSES, MODEL, PYTHON, REPO, RUN_TIMEOUT, outcome, read_metrics, run, script, subprocess_env,
-                      write_class_folder)
+from conftest import CLASSES, MODEL, PYTHON, REPO, outcome, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import download_flower_photos
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
@@ -320,12 +318,15 @@ def exported_matches_eager(single_run, tmp_path, fmt, load, env=None, flags=()):
     return result
 
 
-# Loads the .pt2 as a deployment would: torch alone, from another folder, no project module importable.
+# Loads the .pt2 as a deployment would: torch alone, in a new process in another folder, where no
+# module of the project is imported or importable (its folder taken off sys.path).
 LOAD_PT2 = """
-import json, sys, torch
+import importlib.util, json, os, sys, torch
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != sys.argv[4]]
+assert importlib.util.find_spec("multi_train_utils") is None and "model" not in sys.modules
 extra = {"run.json": ""}
 model = torch.export.load(sys.argv[1], extra_files=extra).module()
-assert "multi_train_utils" not in sys.modules and "model" not in sys.modules
+assert not any(name.split(".")[0] in ("multi_train_utils", "model", "export") for name in sys.modules)
 torch.save({"logits": model(torch.load(sys.argv[2])), "run": json.loads(extra["run.json"])}, sys.argv[3])
 """
 
@@ -336,11 +337,12 @@ def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, ti
     elsewhere = tmp_path / "deployment"
     elsewhere.mkdir()
 
+    (elsewhere / "load.py").write_text(LOAD_PT2)
+
     def load(path, images):
         torch.save(images, elsewhere / "images.pt")
-        result = subprocess.run([PYTHON, "-c", LOAD_PT2, path, "images.pt", "out.pt"], cwd=elsewhere,
-                                capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                                env={k: v for k, v in subprocess_env().items() if k != "PYTHONPATH"})
+        result = run([PYTHON, str(elsewhere / "load.py"), path, "images.pt", "out.pt", REPO], cwd=str(elsewhere),
+                     env={"PYTHONPATH": ""})
         assert result.returncode == 0, result.stderr
         out = torch.load(elsewhere / "out.pt", weights_only=True)
         load.run = out["run"]

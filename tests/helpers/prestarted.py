@@ -29,6 +29,7 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 import torch.export  # noqa: F401  (export.py; its tracer's modules load on first use)
 import torch.export._trace  # noqa: F401
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 import torch.utils.data  # noqa: F401
 import torch.utils.tensorboard  # noqa: F401  (the recorder's SummaryWriter)
 import torchvision  # noqa: F401
