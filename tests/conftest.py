@@ -149,6 +149,7 @@ class Prestarted:
         if self.server is not None:
             self.server.stdin.close()
             self.server.wait(timeout=60)
+            self.server.stdout.close()
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
