@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
+from multi_train_utils.exported import load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.exported import load_program
 from multi_train_utils.run_files import (load_trained_model, read_class_indices, read_val_resize_size,
                                          trained_model_files)
 from utils import IMG_EXTENSIONS
