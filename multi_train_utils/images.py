@@ -28,7 +28,8 @@ from multi_train_utils.errors import UnreadableImage
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 JPEG_MAGIC = b"\xff\xd8\xff"
-JPEG_DECODER = "TorchCodec" if decode_jpeg is not None else "PIL (TorchCodec decodes faster: pip install torchcodec, the version for your torch)"
+JPEG_DECODER = ("TorchCodec" if decode_jpeg is not None else
+                "PIL (TorchCodec decodes faster: pip install torchcodec, the version for your torch)")
 
 
 # --- Finding ------------------------------------------------------------------------------------
@@ -220,9 +221,9 @@ def read_image_uint8(path, keep_side=None):
     """An image file as a uint8 RGB tensor (3, H, W), upright as its EXIF orientation says.
 
     JPEGs are decoded by TorchCodec where it is installed (``JPEG_DECODER`` says which), else
-    by PIL; other formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose shorter side
-    is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode, done inside
-    the JPEG decoder) with its shorter side still at least ``keep_side``. A file that is gone
+    by PIL; other formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose
+    shorter side is at least twice that is decoded at 1/2, 1/4 or 1/8 size (PIL's draft mode,
+    done inside the JPEG decoder) with its shorter side still at least ``keep_side``. A file that is gone
     or cannot be opened or decoded is an UnreadableImage naming it.
     """
     data = _read_bytes(path)

@@ -359,7 +359,8 @@ def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, ti
     os.replace(tmp_path / "model.pt2", program)
     weights = os.path.join(single_run["out"], "model-best.pth")
     tables = {}
-    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)])):
+    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]),
+                        ("pt2", ["--weights", str(program)])):
         predicted = outcome(lambda: predict.main([*flags, "--image", tiny_data["val"], "--workers", "0",
                                                   "--output", str(tmp_path / f"{name}.csv")]))
         assert predicted is None, predicted
@@ -413,4 +414,5 @@ def test_export_onnx_without_the_package_is_a_clear_error(single_run, tmp_path):
         assert "Traceback" not in result.stderr, result.stderr
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith("error: --format onnx needs") and "pip install onnx onnxscript onnxruntime" in line, line
-        assert {p.name for p in tmp_path.iterdir()} <= {"without-onnx", "without-onnxscript", "without-onnxruntime"}  # no file left
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left <= {"without-onnx", "without-onnxscript", "without-onnxruntime"}  # no file left
