@@ -33,7 +33,7 @@ from utils import IMG_EXTENSIONS
 def get_args_parser():
     parser = argparse.ArgumentParser(description="Predict image classes with trained weights.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_trained_model_flags(parser)
+    add_trained_model_flags(parser, takes_pt2=True)
     parser.add_argument("--image", required=True, help="an image file, or a folder (searched recursively)")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to print per image")
     parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's probability")

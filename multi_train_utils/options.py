@@ -322,9 +322,12 @@ def check_data_flags(args, given=()):
                         "drop one of them")
 
 
-def add_trained_model_flags(parser):
-    """--weights, --model, --img-size, --class-indices: the flags of predict.py and export.py."""
-    parser.add_argument("--weights", required=True, help="model-best.pth, model-{epoch}.pth or checkpoint.pth of a run")
+def add_trained_model_flags(parser, takes_pt2=False):
+    """--weights, --model, --img-size, --class-indices: the flags of predict.py and export.py
+    (``takes_pt2``: --weights may also be a .pt2 that export.py wrote)."""
+    weights = "model-best.pth, model-{epoch}.pth or checkpoint.pth of a run"
+    parser.add_argument("--weights", required=True,
+                        help=weights + (", or a .pt2 from export.py (which carries the run's settings)" if takes_pt2 else ""))
     parser.add_argument("--model", default=None, help="model name (default: from args.json beside the weights)")
     parser.add_argument("--img-size", type=int, default=None,
                         help="image size (default: from args.json beside the weights)")
