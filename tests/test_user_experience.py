@@ -358,18 +358,29 @@ def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, ti
     program = elsewhere / "flowers.pt2"  # away from its run: no args.json beside it
     os.replace(tmp_path / "model.pt2", program)
     weights = os.path.join(single_run["out"], "model-best.pth")
+    renamed = tmp_path / "renamed.json"  # --class-indices overrides the names inside, in index order
+    renamed.write_text(json.dumps({str(i): f"flower-{i}" for i in range(5)}))
     tables = {}
-    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]),
-                        ("pt2", ["--weights", str(program)])):
+    for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)]),
+                        ("pth default resize", ["--weights", weights]),  # 37 = round(32 x 256 / 224)
+                        ("pt2 resize 37", ["--weights", str(program), "--val-resize-size", "37"]),
+                        ("pt2 renamed", ["--weights", str(program), "--class-indices", str(renamed)])):
         predicted = outcome(lambda: predict.main([*flags, "--image", tiny_data["val"], "--workers", "0",
                                                   "--output", str(tmp_path / f"{name}.csv")]))
         assert predicted is None, predicted
         with open(tmp_path / f"{name}.csv") as f:
             tables[name] = list(csv.reader(f))
     assert tables["pt2"][0] == tables["pth"][0] and len(tables["pt2"]) == 8  # header with the class names, 7 images
-    for ours, theirs in zip(tables["pt2"][1:], tables["pth"][1:]):
-        assert ours[:2] == theirs[:2]  # path and prediction
-        assert max(abs(float(a) - float(b)) for a, b in zip(ours[2:], theirs[2:])) <= 1e-5
+    assert tables["pt2 renamed"][0] == ["path", "prediction", "probability"] + [f"flower-{i}" for i in range(5)]
+    names = {f"flower-{i}": name for i, name in enumerate(classes)}
+    for ours, theirs in (("pt2", "pth"), ("pt2 resize 37", "pth default resize"), ("pt2 renamed", "pt2")):
+        for mine, other in zip(tables[ours][1:], tables[theirs][1:]):
+            assert mine[0] == other[0] and names.get(mine[1], mine[1]) == other[1]  # path, prediction (its name)
+            assert max(abs(float(a) - float(b)) for a, b in zip(mine[2:], other[2:])) <= 1e-5, (ours, theirs)
+    assert tables["pt2 resize 37"][1:] != tables["pt2"][1:]  # the resize taken from the flag, not run.json's 48
+    renamed.write_text(json.dumps({"0": "a", "1": "b"}))
+    with pytest.raises(UserError, match="names 2 classes, the .pt2 predicts 5"):
+        predict.main(["--weights", str(program), "--image", tiny_data["val"], "--class-indices", str(renamed)])
     with pytest.raises(UserError, match="^--img-size: a .pt2 holds its model and image size"):
         predict.main(["--weights", str(program), "--image", tiny_data["val"], "--img-size", "32"])
 
