@@ -26,14 +26,14 @@ import os
 import torch
 
 from multi_train_utils.errors import UserError, printable, run_cli
-from multi_train_utils.exported import ANY_BATCH, export_program, load_program
+from multi_train_utils.exported import ANY_BATCH, SUFFIX, export_program, is_program, load_program
 from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.options import add_trained_model_flags
 from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
 
 TOLERANCE = 1e-4
-SUFFIXES = {"pt2": ".pt2", "onnx": ".onnx", "torchscript": ".torchscript.pt"}
+SUFFIXES = {"pt2": SUFFIX, "onnx": ".onnx", "torchscript": ".torchscript.pt"}
 ONNX_PACKAGES = "onnx onnxscript onnxruntime"
 
 
@@ -99,7 +99,7 @@ def main(argv=None):
     output = args.output or os.path.splitext(args.weights)[0] + SUFFIXES[args.format]
     # before any work: never a user's file without --overwrite, never an input (the default name too)
     check_new_output(output, trained_model_files(args), args.overwrite)
-    if args.format == "pt2" and not output.endswith(".pt2"):
+    if args.format == "pt2" and not is_program(output):
         raise UserError(f"--output {printable(output)}: a torch.export program's name must end in .pt2 "
                         "(torch.export.load reads it by that)")
     model, model_name, img_size, classes = load_trained_model(args)

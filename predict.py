@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
-from multi_train_utils.exported import load_program
+from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
 from multi_train_utils.options import add_trained_model_flags
@@ -163,7 +163,7 @@ def main(argv=None):
 def load_model(args, device):
     """(the model on ``device``, in eval mode; its image size; the validation resize; class
     names) of --weights: a .pth with its run's files, or a .pt2 from export.py."""
-    if not args.weights.endswith(".pt2"):
+    if not is_program(args.weights):
         model, _, img_size, classes = load_trained_model(args)
         return model.to(device), img_size, read_val_resize_size(args, img_size), classes
     given = [flag for flag in ("--model", "--img-size") if getattr(args, flag[2:].replace("-", "_")) is not None]

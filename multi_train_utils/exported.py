@@ -10,10 +10,16 @@ import torch
 from multi_train_utils.errors import UserError, one_line, printable
 from multi_train_utils.files import write_bytes_atomic
 
+SUFFIX = ".pt2"  # torch.export.load goes by it
 RUN_FILE = "run.json"  # inside a .pt2: model, img_size, val_resize_size, mean, std, classes
 RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")
 # torch.export's dynamic_shapes of the one input: any batch size, the rest as the example's
 ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
+
+
+def is_program(path):
+    """Whether ``path`` names a torch.export program (by its .pt2 ending, as torch.export.load does)."""
+    return str(path).endswith(SUFFIX)
 
 
 def export_program(model, example, path, run):

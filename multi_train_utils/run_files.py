@@ -11,6 +11,7 @@ from model import check_input_size, create_model, load_exact_weights, load_state
 from multi_train_utils.images import resize_size
 from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
 from multi_train_utils.errors import UserError
+from multi_train_utils.exported import is_program
 from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL, check_fields,
                                     read_json, write_csv_atomic, write_json_atomic)
 
@@ -179,7 +180,7 @@ def trained_model_files(args):
     if given."""
     run_dir = os.path.dirname(os.path.abspath(args.weights))
     files = [("the --weights file", args.weights)]
-    if not args.weights.endswith(".pt2"):  # a .pt2 carries its run's settings inside
+    if not is_program(args.weights):  # a .pt2 carries its run's settings inside
         files += [(f"the run's {ARGS_FILE}", os.path.join(run_dir, ARGS_FILE)),
                   (f"the run's {CLASSES_FILE}", os.path.join(run_dir, CLASSES_FILE))]
     if args.class_indices:

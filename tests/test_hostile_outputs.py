@@ -203,6 +203,9 @@ def test_with_overwrite_only_a_checked_export_replaces_the_file(trained, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"]
     images = torch.randn(2, 3, 8, 8)
     assert torch.equal(torch.export.load(str(output)).module()(images), tiny(images))
+    # a program under another name would not load by torch.export.load: refused before any work
+    refused(export.main, ["--weights", weights, "--output", str(tmp_path / "model.pt")], "must end in .pt2")
+    assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"]
 
 
 # --- CSV files that are safe to open ------------------------------------------------------------------
