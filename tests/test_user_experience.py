@@ -363,21 +363,23 @@ def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, ti
     tables = {}
     for name, flags in (("pth", ["--weights", weights, "--val-resize-size", "48"]), ("pt2", ["--weights", str(program)]),
                         ("pth default resize", ["--weights", weights]),  # 37 = round(32 x 256 / 224)
-                        ("pt2 resize 37", ["--weights", str(program), "--val-resize-size", "37"]),
-                        ("pt2 renamed", ["--weights", str(program), "--class-indices", str(renamed)])):
+                        ("pt2 renamed, resize 37", ["--weights", str(program), "--val-resize-size", "37",
+                                                    "--class-indices", str(renamed)])):
         predicted = outcome(lambda: predict.main([*flags, "--image", tiny_data["val"], "--workers", "0",
                                                   "--output", str(tmp_path / f"{name}.csv")]))
         assert predicted is None, predicted
         with open(tmp_path / f"{name}.csv") as f:
             tables[name] = list(csv.reader(f))
     assert tables["pt2"][0] == tables["pth"][0] and len(tables["pt2"]) == 8  # header with the class names, 7 images
-    assert tables["pt2 renamed"][0] == ["path", "prediction", "probability"] + [f"flower-{i}" for i in range(5)]
+    renamed_header = tables["pt2 renamed, resize 37"][0]
+    assert renamed_header == ["path", "prediction", "probability"] + [f"flower-{i}" for i in range(5)]
     names = {f"flower-{i}": name for i, name in enumerate(classes)}
-    for ours, theirs in (("pt2", "pth"), ("pt2 resize 37", "pth default resize"), ("pt2 renamed", "pt2")):
+    for ours, theirs in (("pt2", "pth"), ("pt2 renamed, resize 37", "pth default resize")):
         for mine, other in zip(tables[ours][1:], tables[theirs][1:]):
             assert mine[0] == other[0] and names.get(mine[1], mine[1]) == other[1]  # path, prediction (its name)
             assert max(abs(float(a) - float(b)) for a, b in zip(mine[2:], other[2:])) <= 1e-5, (ours, theirs)
-    assert tables["pt2 resize 37"][1:] != tables["pt2"][1:]  # the resize taken from the flag, not run.json's 48
+    resized = [row[2:] for row in tables["pt2 renamed, resize 37"][1:]]
+    assert resized != [row[2:] for row in tables["pt2"][1:]]  # the resize taken from the flag, not run.json's 48
     renamed.write_text(json.dumps({"0": "a", "1": "b"}))
     with pytest.raises(UserError, match="names 2 classes, the .pt2 predicts 5"):
         predict.main(["--weights", str(program), "--image", tiny_data["val"], "--class-indices", str(renamed)])
