@@ -216,6 +216,43 @@ def test_bf16_autocast_trains_in_bf16():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
 
 
+# bf16 keeps 8 significant bits: rounding a value to bf16 changes it by at most u = 2^-8 of itself.
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_one_bf16_step_moves_the_weights_as_fp32_does_within_bf16_precision(seed):
+    """What bf16 decides, on any CPU (native or emulated, the same assertions): one step of the
+    training loop from the same weights and batch, under --amp bf16 and off. The convolution runs
+    in bf16 (its output's dtype) and the weights stay fp32. The loss (a mean over 16 images)
+    is within 2u of fp32's; each weight's update within 16u of fp32's (relative L2 norm): each
+    gradient passes through 2 products in the forward and 2 in the backward, each rounding both
+    operands (4 roundings of u per product chain), doubled for cancellation in the sums. And
+    bf16 really rounded something: the updates are not all fp32's exactly."""
+    u = BF16_UNIT_ROUNDOFF
+    torch.manual_seed(seed)
+    start = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))
+    before = {k: v.clone() for k, v in start.state_dict().items()}
+    steps, losses, conv_dtypes = {}, {}, {}
+    for amp in ("off", "bf16"):
+        start.load_state_dict(before)
+        hook = start[0].register_forward_hook(lambda m, i, output, amp=amp: conv_dtypes.update({amp: output.dtype}))
+        stats = train(start, 16, LoopSettings(precision=Precision(amp, "cpu")), images=16, lr=1.0, momentum=0.0)
+        hook.remove()
+        assert all(p.dtype == torch.float32 for p in start.parameters())
+        steps[amp] = {k: v - before[k] for k, v in start.state_dict().items()}
+        losses[amp] = stats.mean_loss
+    assert conv_dtypes == {"off": torch.float32, "bf16": torch.bfloat16}
+    assert abs(losses["bf16"] - losses["off"]) <= 2 * u * abs(losses["off"]), losses
+    differences = []
+    for key, fp32 in steps["off"].items():
+        assert fp32.norm() > 0, key  # every weight moved (lr 1, no momentum: the step is the gradient)
+        difference = ((steps["bf16"][key] - fp32).norm() / fp32.norm()).item()
+        assert difference <= 16 * u, (key, difference / u)
+        differences.append(difference)
+    assert max(differences) > 0  # bf16 rounded the products
+
+
 # --- Activation checkpointing and compile ------------------------------------------------------
 
 @pytest.mark.parametrize("name, stages", [("resnet18", 4), ("mobilenet_v3_small", 13), ("densenet121", 7)])
