@@ -1,0 +1,137 @@
+"""Every image mode the docs name (grayscale, palette, RGBA put on white, CMYK, 16-bit ...) in
+every file format that holds it, through every decoder (TorchCodec where installed, and PIL,
+its fallback) and every way in: the loader of training and validation, predict.py's, and a
+large JPEG decoded at reduced size. Each pixel's expected RGB value is worked out by hand from
+the mode's definition, not by the code under test."""
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import torchcodec_decodes
+from multi_train_utils import images
+
+WHITE = (255, 255, 255)
+
+
+def two_pixel_files(tmp_path):
+    """{name: (path, [expected RGB of the left pixel, of the right pixel])}: 2x1 images whose
+    right pixel is, where the mode has transparency, fully transparent over a hidden colour."""
+    files = {}
+
+    def save(name, img, expected, **kwargs):
+        path = tmp_path / name
+        img.save(path, **kwargs)
+        files[name] = (str(path), expected)
+
+    def pixels(mode, values):
+        img = Image.new(mode, (2, 1))
+        img.putdata(values)
+        return img
+
+    save("gray.png", pixels("L", [77, 200]), [(77,) * 3, (200,) * 3])
+    save("bilevel.png", pixels("1", [0, 255]), [(0,) * 3, (255,) * 3])
+    save("gray_alpha.png", pixels("LA", [(77, 255), (30, 0)]), [(77,) * 3, WHITE])
+    save("rgb.png", pixels("RGB", [(10, 20, 30), (200, 100, 50)]), [(10, 20, 30), (200, 100, 50)])
+    save("rgba.png", pixels("RGBA", [(10, 20, 30, 255), (200, 100, 50, 0)]), [(10, 20, 30), WHITE])
+    save("rgba.webp", pixels("RGBA", [(10, 20, 30, 255), (200, 100, 50, 0)]), [(10, 20, 30), WHITE], lossless=True)
+    palette = pixels("P", [1, 2])
+    palette.putpalette([0, 0, 0, 10, 20, 30, 200, 100, 50] + [0] * (256 * 3 - 9))
+    save("palette.png", palette, [(10, 20, 30), (200, 100, 50)])
+    save("palette.bmp", palette, [(10, 20, 30), (200, 100, 50)])
+    # palette index 2 transparent: a PNG's tRNS chunk and a GIF's transparent colour
+    save("palette_transparent.png", palette, [(10, 20, 30), WHITE], transparency=2)
+    save("palette_transparent.gif", palette, [(10, 20, 30), WHITE], transparency=2)
+    # CMYK: (255 - C) x (255 - K) / 255 and so on; no ink is white, full K black, full C cyan
+    save("cmyk.tif", pixels("CMYK", [(0, 0, 0, 0), (255, 0, 0, 0)]), [WHITE, (0, 255, 255)])
+    save("cmyk_black.tif", pixels("CMYK", [(0, 0, 0, 255), (0, 255, 0, 0)]), [(0, 0, 0), (255, 0, 255)])
+    # 16 bits: the top 8 (0x12 of 0x1234), whatever the byte order of the file
+    save("gray16.png", pixels("I;16", [0x1234, 0xFFFF]), [(0x12,) * 3, (0xFF,) * 3])
+    save("gray16_little.tif", pixels("I;16", [0x1234, 0xFFFF]), [(0x12,) * 3, (0xFF,) * 3])
+    save("gray16_big.tif", pixels("I;16B", [0x1234, 0xFFFF]), [(0x12,) * 3, (0xFF,) * 3])
+    save("gray32.tif", pixels("I", [0x1234, 0xFF00]), [(0x12,) * 3, (0xFF,) * 3])
+    return files
+
+
+DECODERS = ["TorchCodec", "PIL"]
+
+
+@pytest.fixture(params=DECODERS)
+def decoder(request, monkeypatch):
+    if request.param == "TorchCodec" and not torchcodec_decodes():
+        pytest.skip("TorchCodec is not installed: PIL decodes every JPEG (the other case)")
+    if request.param == "PIL":
+        monkeypatch.setattr(images, "decode_jpeg", None)
+    return request.param
+
+
+def test_the_files_hold_the_modes_the_docs_name(tmp_path):
+    """The files above really are of those modes (a format that converted one on saving would
+    make its case test something else)."""
+    modes = {name: Image.open(path).mode for name, (path, _) in two_pixel_files(tmp_path).items()}
+    assert modes == {"gray.png": "L", "bilevel.png": "1", "gray_alpha.png": "LA", "rgb.png": "RGB",
+                     "rgba.png": "RGBA", "rgba.webp": "RGBA", "palette.png": "P", "palette.bmp": "P",
+                     "palette_transparent.png": "P", "palette_transparent.gif": "P", "cmyk.tif": "CMYK",
+                     "cmyk_black.tif": "CMYK", "gray16.png": "I;16", "gray16_little.tif": "I;16",
+                     "gray16_big.tif": "I;16B", "gray32.tif": "I"}
+
+
+def test_every_mode_becomes_its_rgb_pixels(tmp_path, decoder):
+    for name, (path, expected) in two_pixel_files(tmp_path).items():
+        for keep_side in (None, 1):
+            tensor = images.read_image_uint8(path, keep_side)
+            assert tensor.dtype == torch.uint8 and tensor.shape == (3, 1, 2), name
+            got = [tuple(tensor[:, 0, x].tolist()) for x in range(2)]
+            assert got == expected, (name, keep_side)
+
+
+def flat_jpeg(path, mode, colour, size=(64, 48), exif_orientation=None):
+    """A JPEG of one colour (JPEG keeps a flat colour to within a step or two)."""
+    img = Image.new(mode, size, colour)
+    kwargs = {"quality": 100}
+    if exif_orientation:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kwargs["exif"] = exif.tobytes()
+    img.save(path, "JPEG", **kwargs)
+    return str(path)
+
+
+@pytest.mark.parametrize("keep_side", [None, 8])  # 8: decoded at reduced size (1/4 of 48 is 12)
+def test_jpegs_of_every_mode_become_rgb_on_every_decoder(tmp_path, decoder, keep_side):
+    cases = {"gray": ("L", 77, (77,) * 3), "rgb": ("RGB", (200, 100, 50), (200, 100, 50)),
+             "cmyk": ("CMYK", (0, 0, 0, 0), WHITE)}
+    for name, (mode, colour, expected) in cases.items():
+        path = flat_jpeg(tmp_path / f"{name}.jpg", mode, colour)
+        tensor = images.read_image_uint8(path, keep_side).int()
+        assert tensor.shape[0] == 3 and min(tensor.shape[1:]) >= (keep_side or 48), (name, tensor.shape)
+        for channel, value in enumerate(expected):
+            assert (tensor[channel] - value).abs().max() <= 3, (name, channel, tensor[channel].unique())
+
+
+@pytest.mark.parametrize("keep_side", [None, 8])
+def test_a_portrait_photo_is_turned_upright_on_every_decoder(tmp_path, decoder, keep_side):
+    """EXIF orientation 6 (rotate 90 degrees clockwise to show): stored 64 wide and 48 high, shown
+    48 wide and 64 high."""
+    path = flat_jpeg(tmp_path / "portrait.jpg", "RGB", (200, 100, 50), exif_orientation=6)
+    tensor = images.read_image_uint8(path, keep_side)
+    height, width = tensor.shape[1:]
+    assert height > width and height * 48 == width * 64, tensor.shape
+
+
+def test_predict_and_the_dataset_read_every_mode_as_the_decoder_does(tmp_path):
+    """The dataset of training and validation, and predict.py's loader, take the decoder's pixels
+    (their transforms at the image's own size change no pixel)."""
+    from my_dataset import MyDataSet
+    from predict import ImageFiles
+
+    files = two_pixel_files(tmp_path)
+    paths = [path for path, _ in files.values()]
+    keep = lambda t: t  # noqa: E731 (the identity transform)
+    dataset = MyDataSet(paths, [0] * len(paths), keep)
+    predicted = ImageFiles(paths, keep, None)
+    for index, (name, (path, expected)) in enumerate(files.items()):
+        for tensor in (dataset[index][0], predicted[index][0]):
+            got = [tuple(tensor[:, 0, x].tolist()) for x in range(2)]
+            assert got == expected, name
