@@ -1,0 +1,115 @@
+"""Reports at their edges: exactly 20 classes (every class listed) and 21 ("more than 20": the
+extremes), classes without validation images, ties, the first and the last class, a matrix
+without a single confusion. The expected lines are worked out by hand from made-up confusion
+matrices."""
+import argparse
+import csv
+import io
+import math
+
+import pytest
+import torch
+
+from multi_train_utils.summary import evaluation_metrics_csv, print_data_summary, print_evaluation
+from multi_train_utils.train_eval_utils import EvalResult
+from multi_train_utils.pictures import most_confused_pairs
+
+
+def names(n):
+    return [f"class{i:02d}" for i in range(n)]
+
+
+def diagonal(n, per_class=4):
+    return EvalResult(torch.eye(n, dtype=torch.long) * per_class)
+
+
+@pytest.mark.parametrize("n, listed", [(20, True), (21, False)])
+def test_every_class_is_listed_up_to_20_classes_and_the_extremes_from_21(capsys, n, listed):
+    print_evaluation(diagonal(n), names(n))
+    out = capsys.readouterr().out
+    assert out.count("1.000000 (4/4)") == (n if listed else min(n, 10))
+    assert ("classes of lowest recall" in out) is not listed
+    assert out.strip().splitlines()[-1] == f"top1 accuracy: 1.000000 ({4 * n}/{4 * n})"
+
+
+class Split(list):
+    """A dataset as print_data_summary reads it: its length and its targets."""
+
+    def __init__(self, targets):
+        super().__init__(targets)
+        self.targets = list(targets)
+
+
+@pytest.mark.parametrize("n", [20, 21])
+def test_the_data_summary_names_every_class_up_to_20_and_the_extremes_from_21(capsys, n):
+    counts = [10 + c for c in range(n)]  # class00 the smallest, the last the largest
+    train = Split([c for c, k in enumerate(counts) for _ in range(k)])
+    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
+                              class_weights="none")
+    print_data_summary(args, argparse.Namespace(classes=names(n), train=train, val=Split([]), skipped=[]))
+    out = capsys.readouterr().out
+    if n == 20:
+        assert "data: d: " + ", ".join(f"{10 + c} class{c:02d}" for c in range(20)) + "\n" in out
+    else:
+        assert (f"data: d: 21 classes, {sum(counts)} images; smallest class00 (10), class01 (11), class02 (12); "
+                "largest class20 (30), class19 (29), class18 (28); median 20 images a class\n") in out
+
+
+def confusion_of_21_classes():
+    """21 classes, 10 validation images each, except class00 with none (recall nan). Recalls:
+    class20 (the last) 0.1, class03 and class07 0.5 (a tie: label order), class11 0.6,
+    every other 1.0. Confusions: class20 -> class19 9 images (most), class03 -> class00 and
+    class07 -> class01 5 each (a tie: row order), class11 -> class20 4."""
+    c = torch.zeros(21, 21, dtype=torch.long)
+    for i in range(1, 21):
+        c[i, i] = 10
+    c[20, 20], c[20, 19] = 1, 9
+    c[3, 3], c[3, 0] = 5, 5
+    c[7, 7], c[7, 1] = 5, 5
+    c[11, 11], c[11, 20] = 6, 4
+    return c
+
+
+def test_the_worst_classes_leave_out_classes_without_images_and_break_ties_in_label_order(capsys):
+    result = EvalResult(confusion_of_21_classes())
+    print_evaluation(result, names(21))
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "classes of lowest recall" in line)
+    assert lines[start].startswith("the 10 classes of lowest recall (of 21;")
+    worst = [line.split()[0] for line in lines[start + 1:start + 11]]
+    assert worst == ["class20", "class03", "class07", "class11", "class01", "class02", "class04", "class05",
+                     "class06", "class08"]  # class00 has no images: never among them
+    assert lines[start + 1].split()[1:3] == ["0.100000", "(1/10)"]
+    pairs_at = lines.index("most confused (true -> predicted: images):")
+    assert lines[pairs_at + 1:pairs_at + 5] == ["  class20 -> class19: 9", "  class03 -> class00: 5",
+                                                "  class07 -> class01: 5", "  class11 -> class20: 4"]
+    assert all(not line.startswith("  ") for line in lines[pairs_at + 5:])  # no pair of 0 images
+
+
+def test_most_confused_pairs_are_the_largest_cells_ties_in_cell_order_and_never_a_zero():
+    confusion = confusion_of_21_classes()
+    assert most_confused_pairs(confusion, 3) == [(20, 19, 9), (3, 0, 5), (7, 1, 5)]
+    assert most_confused_pairs(confusion, 50) == [(20, 19, 9), (3, 0, 5), (7, 1, 5), (11, 20, 4)]
+    assert most_confused_pairs(torch.eye(4, dtype=torch.long) * 3) == []
+    corners = torch.zeros(3, 3, dtype=torch.long)
+    corners[0, 2], corners[2, 0] = 2, 2  # the first and the last cell off the diagonal
+    assert most_confused_pairs(corners) == [(0, 2, 2), (2, 0, 2)]
+
+
+def test_the_per_class_csv_has_every_class_with_nan_where_there_is_nothing_to_divide():
+    confusion = confusion_of_21_classes()
+    overall, per_class = evaluation_metrics_csv(EvalResult(confusion, None, 0.0), names(21))
+    rows = list(csv.reader(io.StringIO(per_class)))
+    assert rows[0] == ["class", "images", "predicted", "correct", "precision", "recall", "f1"]
+    assert [r[0] for r in rows[1:]] == names(21)  # the first and the last class included
+    first, last = rows[1], rows[-1]
+    assert first[:4] == ["class00", "0", "5", "0"] and math.isnan(float(first[5]))  # no images: recall nan
+    assert float(first[4]) == 0.0 and float(first[6]) == 0.0  # predicted 5 times, never right
+    assert last[:4] == ["class20", "10", "5", "1"]
+    assert float(last[4]) == pytest.approx(1 / 5) and float(last[5]) == pytest.approx(1 / 10)
+    assert float(last[6]) == pytest.approx(2 * 1 / (2 * 1 + 4 + 9))
+    values = dict(list(csv.reader(io.StringIO(overall)))[1:])
+    # balanced accuracy: the mean recall of the 20 classes with images
+    recalls = [1.0] * 16 + [0.1, 0.5, 0.5, 0.6]
+    assert float(values["balanced_accuracy"]) == pytest.approx(sum(recalls) / 20)
+    assert int(values["images"]) == 200
