@@ -28,6 +28,8 @@ METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_secon
 RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
              CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
              "curves.png", "confusion_matrix.png", "most_confused.png")
+# model-{epoch}.pth exactly as a run writes it: model-3.pth, never a user's model-03.pth.
+EPOCH_WEIGHTS = r"model-(0|[1-9][0-9]*)\.pth"
 # The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
@@ -70,14 +72,14 @@ def clear_earlier_run(args, checkpoint):
 
 def is_run_file(name):
     """Whether a training run writes a file of this name into --output-dir."""
-    return name in RUN_FILES or re.fullmatch(r"model-\d+\.pth", name) is not None
+    return name in RUN_FILES or re.fullmatch(EPOCH_WEIGHTS, name) is not None
 
 
 def model_epoch_files(output_dir):
     """``{epoch: path}`` of the per-epoch weights in ``output_dir``."""
     files = {}
     for path in glob.glob(os.path.join(glob.escape(output_dir), "model-*.pth")):
-        match = re.fullmatch(r"model-(\d+)\.pth", os.path.basename(path))
+        match = re.fullmatch(EPOCH_WEIGHTS, os.path.basename(path))
         if match:
             files[int(match.group(1))] = path
     return files

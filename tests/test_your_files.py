@@ -1,0 +1,66 @@
+"""A user's files beside ours in --output-dir: names such as model-3-finetuned.pth,
+checkpoint-old.pth or train.log.bak. Pruning (--keep-last), --overwrite, --resume auto's fresh
+start and the check for an earlier run touch our exact names only; --keep-last K keeps exactly
+the last K epochs' weights."""
+import argparse
+import os
+
+import pytest
+
+from multi_train_utils.errors import UserError
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_files import check_output_dir, clear_earlier_run, earlier_run_files
+
+OURS = ["checkpoint.pth", "checkpoint-prev.pth", "checkpoint.pth.damaged", "model-best.pth", "metrics.csv",
+        "args.json", "class_indices.json", "train.log", "confusion_matrix.csv", "curves.png", "most_confused.png"]
+THEIRS = ["model-3-finetuned.pth", "model-03.pth", "model-3.pth.bak", "model-best-old.pth", "mymodel-3.pth",
+          "model-3.pt", "checkpoint-old.pth", "checkpoint.pth.orig", "old-checkpoint.pth", "train.log.bak",
+          "metrics.csv.old", "args.json~", "notes.txt", "model-.pth", "model--1.pth"]
+
+
+def folder_with(tmp_path, epochs, ours=True):
+    for name in (OURS if ours else []) + [f"model-{e}.pth" for e in epochs] + THEIRS:
+        (tmp_path / name).write_text(name)
+    return tmp_path
+
+
+def listing(folder):
+    return sorted(os.listdir(folder))
+
+
+def test_an_earlier_run_is_our_exact_names_only(tmp_path):
+    folder = folder_with(tmp_path, epochs=[0, 1, 10])
+    found = sorted(os.path.basename(p) for p in earlier_run_files(str(folder)))
+    assert found == sorted(OURS + ["model-0.pth", "model-1.pth", "model-10.pth"])
+
+
+def test_overwrite_removes_our_files_and_leaves_theirs(tmp_path):
+    folder = folder_with(tmp_path, epochs=[0, 7])
+    clear_earlier_run(argparse.Namespace(output_dir=str(folder), overwrite=True, resume=None), None)
+    assert listing(folder) == sorted(THEIRS)
+    for name in THEIRS:
+        assert (folder / name).read_text() == name
+
+
+def test_a_fresh_start_of_resume_auto_removes_our_files_only(tmp_path):
+    folder = folder_with(tmp_path, epochs=[2])
+    clear_earlier_run(argparse.Namespace(output_dir=str(folder), overwrite=False, resume="auto"), None)
+    assert listing(folder) == sorted(THEIRS)
+
+
+def test_their_files_alone_are_no_earlier_run(tmp_path):
+    folder = folder_with(tmp_path, epochs=[], ours=False)
+    check_output_dir(str(folder), overwrite=False)  # no error: nothing of ours there
+    (folder / "model-0.pth").write_text("ours")
+    with pytest.raises(UserError, match=r"holds checkpoints of an earlier run \(model-0\.pth\)"):
+        check_output_dir(str(folder), overwrite=False)
+
+
+@pytest.mark.parametrize("keep_last, kept", [(1, [5]), (2, [4, 5]), (3, [3, 4, 5]), (6, [0, 1, 2, 3, 4, 5]),
+                                             (0, [0, 1, 2, 3, 4, 5])])
+def test_keep_last_keeps_exactly_the_last_k_epochs_and_none_of_theirs_is_pruned(tmp_path, keep_last, kept):
+    folder = folder_with(tmp_path, epochs=range(6))
+    recorder = RunRecorder.__new__(RunRecorder)  # only what pruning reads
+    recorder.args, recorder.output_dir = argparse.Namespace(keep_last=keep_last), str(folder)
+    recorder._prune(5)
+    assert listing(folder) == sorted(OURS + THEIRS + [f"model-{e}.pth" for e in kept])
