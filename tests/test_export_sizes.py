@@ -1,0 +1,49 @@
+"""Exports take every batch size the docs promise ("any batch size"), not just the example's:
+a batch of 1 and of 200, beside the example of 2, give the eager model's logits (1e-4). The
+.pt2 carries every run setting predict.py reads (run.json). In-process, a small conv net with
+BatchNorm in eval mode, exported as export.py exports."""
+import pytest
+import torch
+from torch import nn
+
+import export
+from multi_train_utils.exported import RUN_KEYS, load_program
+
+RUN = {"model": "tiny", "img_size": 16, "val_resize_size": 18, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.3, 0.4],
+       "classes": ["a", "b", "c"]}
+
+
+def tiny_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 3))
+    net[1].running_mean.uniform_(-0.5, 0.5)
+    return net.eval()
+
+
+def check_every_batch_size(model, exported):
+    for batch in (1, 2, 200):
+        images = torch.randn(batch, 3, 16, 16, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            expected = model(images)
+        got = exported(images)
+        assert got.shape == (batch, 3), batch
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4, msg=f"batch {batch}")
+
+
+def test_a_pt2_takes_a_batch_of_1_and_of_200_and_carries_the_run(tmp_path):
+    model = tiny_net()
+    path = str(tmp_path / "tiny.pt2")
+    exported = export.export_pt2(model, torch.randn(2, 3, 16, 16), path, RUN)
+    check_every_batch_size(model, exported)
+    _, run = load_program(path)
+    assert run == {key: RUN[key] for key in RUN_KEYS} and set(RUN_KEYS) >= {"mean", "std", "classes"}
+
+
+def test_an_onnx_model_takes_a_batch_of_1_and_of_200(tmp_path):
+    for package in ("onnx", "onnxscript"):
+        pytest.importorskip(package, reason="ONNX export is optional: pip install onnx onnxscript onnxruntime")
+    pytest.importorskip("onnxruntime", reason="ONNX export is optional: pip install onnx onnxscript onnxruntime")
+    model = tiny_net()
+    exported = export.export_onnx(model, torch.randn(2, 3, 16, 16), str(tmp_path / "tiny.onnx"), RUN)
+    check_every_batch_size(model, exported)
