@@ -1,0 +1,90 @@
+"""Figures that depend on the layout of the job, worked out by hand for two nodes: the rank,
+world size and processes per node read from torchrun's and SLURM's variables; each process's
+share of the cores it may run on (torchrun's processes share their launcher's cores, bound srun
+tasks have their own), hence its threads and loader workers; and the doctor's per-node report.
+In-process, with the variables, the core affinity and the gathered facts made up."""
+import os
+
+import pytest
+
+import tools.doctor as doctor
+from multi_train_utils import distributed_utils
+from multi_train_utils.distributed_utils import (count_sharing, cores_per_process, default_workers,
+                                                 processes_sharing_cores, read_dist_env)
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name in LAUNCHER_VARIABLES or name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_torchrun_on_the_second_of_two_nodes(clean_env):
+    """torchrun --nnodes 2 --nproc_per_node 2: the last rank of the job is local rank 1 of 2."""
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                            TORCHELASTIC_RUN_ID="x").items():
+        clean_env.setenv(name, value)
+    env = read_dist_env()
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (3, 4, 1, 2, "torchrun")
+    assert processes_sharing_cores(env) == 2  # the processes of this node, not of the job
+
+
+def test_srun_step_on_two_nodes_takes_the_steps_tasks_not_the_jobs(clean_env):
+    """A job of 8 tasks (SLURM_NTASKS) running a step of 4 (2 per node): the step is the world."""
+    for name, value in dict(SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="4", SLURM_NTASKS="8", SLURM_LOCALID="1",
+                            SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_TASKS_PER_NODE="4(x2)",
+                            SLURM_STEP_NODELIST="gpu[07-08]", SLURM_NODELIST="gpu[07-10]", SLURM_JOB_ID="42").items():
+        clean_env.setenv(name, value)
+    env = read_dist_env()
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (3, 4, 1, 2, "slurm")
+    assert os.environ["MASTER_ADDR"] == "gpu07"  # the step's first node
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"]) == ("3", "4", "2")
+
+
+@pytest.mark.parametrize("cores, sharing, per_process, workers", [(8, 2, 4, 4), (3, 2, 1, 1), (1, 4, 1, 1),
+                                                                   (40, 2, 20, 16), (64, 1, 64, 16)])
+def test_each_process_gets_its_share_of_the_cores_it_may_run_on(monkeypatch, cores, sharing, per_process, workers):
+    """The cores of the affinity mask (taskset, cgroups, srun's binding), never the machine's."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(100, 100 + cores)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)
+    assert distributed_utils.cpu_cores_available() == cores
+    assert cores_per_process(sharing) == per_process
+    assert default_workers(sharing) == workers
+
+
+def test_bound_srun_tasks_share_no_cores_and_torchruns_processes_share_the_launchers():
+    torchrun = [[0, 1, 2, 3], [0, 1, 2, 3]]
+    srun_bound = [[0, 1], [2, 3], [4, 5]]
+    assert [count_sharing(c, torchrun) for c in torchrun] == [2, 2]
+    assert [count_sharing(c, srun_bound) for c in srun_bound] == [1, 1, 1]
+    assert count_sharing([1, 2], srun_bound) == 2  # overlapping two tasks' cores
+
+
+def facts(rank, local_rank, host, cpus):
+    return {"rank": rank, "local_rank": local_rank, "host": host, "pid": 1000 + rank, "device": "cpu", "gpu": None,
+            "torch": "2.x", "cores": len(cpus), "cores_per_process": len(cpus), "cpus": cpus, "shm_total": 2**30,
+            "shm_free": 2**29, "output_dir": "/out", "disk_free": 5e9, "interfaces": ["eth0"], "variables": {}}
+
+
+def test_the_doctor_reports_each_node_with_its_own_cores_per_process():
+    """Node a: torchrun's 2 ranks on the same 8 cores: 4 each. Node b: 2 srun tasks bound to 3
+    cores each: 3 each. Node b's ranks are the last ones (2, 3)."""
+    gathered = {0: facts(0, 0, "a", list(range(8))), 1: facts(1, 1, "a", list(range(8))),
+                2: facts(2, 0, "b", [0, 1, 2]), 3: facts(3, 1, "b", [3, 4, 5])}
+    gathered = doctor.with_shared_cores(gathered, "gloo")
+    assert {rank: f["cores_per_process"] for rank, f in gathered.items()} == {0: 4, 1: 4, 2: 3, 3: 3}
+    report = doctor.format_report(gathered, {}, [], world_size=4, backend="gloo", rendezvous="a:29500", timeout=5)
+    lines = report.splitlines()
+    assert lines[0].startswith("doctor: 4 of 4 ranks joined, on 2 node(s); backend gloo")
+    node_b = lines.index("node b: ranks 2-3") if "node b: ranks 2-3" in lines else \
+        next(i for i, line in enumerate(lines) if line.startswith("node b: "))
+    node_a = next(i for i, line in enumerate(lines) if line.startswith("node a: "))
+    assert "  CPU cores per process: 4 (of 8 this process may use)" in lines[node_a:node_b]
+    assert "  CPU cores per process: 3 (of 3 this process may use)" in lines[node_b:]
+    assert [line for line in lines[node_b:] if line.startswith("  rank ")] == [
+        "  rank 2: cpu (local rank 0, pid 1002)", "  rank 3: cpu (local rank 1, pid 1003)"]
