@@ -88,3 +88,49 @@ def test_the_doctor_reports_each_node_with_its_own_cores_per_process():
     assert "  CPU cores per process: 3 (of 3 this process may use)" in lines[node_b:]
     assert [line for line in lines[node_b:] if line.startswith("  rank ")] == [
         "  rank 2: cpu (local rank 0, pid 1002)", "  rank 3: cpu (local rank 1, pid 1003)"]
+
+
+@pytest.mark.parametrize("rank, local_rank, printed", [("0", "0", True), ("2", "0", True), ("3", "1", False)])
+def test_bad_input_is_printed_once_per_node(clean_env, capsys, rank, local_rank, printed):
+    """Two nodes of two processes: local rank 0 of each node prints the line (rank 2 is the
+    second node's first), the others stay silent; an error of one rank's own is printed by it."""
+    from multi_train_utils.errors import RankError, UserError, report_error
+
+    for name, value in dict(RANK=rank, WORLD_SIZE="4", LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE="2").items():
+        clean_env.setenv(name, value)
+    report_error(UserError("--data-path x: no such folder"))
+    assert capsys.readouterr().err == ("error: --data-path x: no such folder\n" if printed else "")
+    report_error(RankError("cannot decode image y.jpg"))
+    assert capsys.readouterr().err == f"[rank {rank}] error: cannot decode image y.jpg\n"
+
+
+def test_a_batch_larger_than_a_ranks_share_is_refused_on_two_nodes_of_one_process(tmp_path, monkeypatch):
+    """Two nodes, one process each: 24 training images give each rank 12, whatever the node's
+    own count of processes (1): --batch-size 13 is refused with the job's world size."""
+    from multi_train_utils import inputs
+    from multi_train_utils.distributed_utils import DistEnv
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.options import get_args_parser, parse_args
+    from my_dataset import build_datasets
+
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / "data" / name)
+        for i in range(15):
+            (tmp_path / "data" / name / f"{i}.jpg").write_bytes(b"")
+    monkeypatch.setattr(inputs, "current_job", lambda: DistEnv(1, 2, 0, 1, "torchrun"))
+    monkeypatch.setattr(inputs, "get_world_size", lambda: 2)
+    monkeypatch.setattr(inputs, "get_rank", lambda: 1)
+    args = parse_args(get_args_parser(distributed=True), ["--data-path", str(tmp_path / "data"), "--batch-size", "13",
+                                                          "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(UserError) as e:
+        inputs.read_inputs(args, build_datasets, torch_cpu())
+    assert str(e.value) == ("--batch-size 13: each of the 2 process(es) gets only 12 of the 24 training images; "
+                            "use --batch-size 12 or less")
+    args.batch_size = 12
+    assert len(inputs.read_inputs(args, build_datasets, torch_cpu()).data.train) == 24
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")

@@ -165,6 +165,12 @@ def test_a_resume_restores_each_counter_and_the_best_by_hand(tmp_path):
     assert state.stop_reason is None
     decided = resumed.train(3, results)
     assert sorted(decided) == [3, 4]
+    # TensorBoard goes on with the same run: one loss point per epoch, none lost, none twice
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(resumed.recorder.log_dir)
+    events.Reload()
+    assert [point.step for point in events.Scalars("loss")] == [0, 1, 2, 3, 4]
     assert decided[4][4].startswith("stopped early after epoch 4: no better val loss for 3 epochs")
     # model-best.pth holds the EMA's weights after epoch 1 (2 updates towards the weights 0, then
     # 1, with the warm-up decays min(0.9, 1/10) and min(0.9, 2/11)), from the initial weights

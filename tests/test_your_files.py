@@ -64,3 +64,17 @@ def test_keep_last_keeps_exactly_the_last_k_epochs_and_none_of_theirs_is_pruned(
     recorder.args, recorder.output_dir = argparse.Namespace(keep_last=keep_last), str(folder)
     recorder._prune(5)
     assert listing(folder) == sorted(OURS + THEIRS + [f"model-{e}.pth" for e in kept])
+
+
+def test_a_checkpoint_elsewhere_is_never_taken_for_one_here(tmp_path):
+    """--resume PATH continues in --output-dir only when PATH lies right in it: a folder whose
+    name starts alike (weights-old), a sub-folder, or a parent is elsewhere."""
+    from multi_train_utils.checkpoint import resumes_in
+
+    weights = str(tmp_path / "weights")
+    assert resumes_in(str(tmp_path / "weights" / "checkpoint.pth"), weights)
+    assert resumes_in(str(tmp_path / "weights" / "checkpoint-prev.pth"), weights + "/")
+    assert not resumes_in(str(tmp_path / "weights-old" / "checkpoint.pth"), weights)
+    assert not resumes_in(str(tmp_path / "weights" / "old" / "checkpoint.pth"), weights)
+    assert not resumes_in(str(tmp_path / "checkpoint.pth"), weights)
+    assert not resumes_in(None, weights)
