@@ -3,7 +3,7 @@ every file format that holds it, through every decoder (TorchCodec where install
 its fallback) and every way in: the loader of training and validation, predict.py's, and a
 large JPEG decoded at reduced size. Each pixel's expected RGB value is worked out by hand from
 the mode's definition, not by the code under test."""
-import io
+import os
 
 import pytest
 import torch
@@ -135,3 +135,21 @@ def test_predict_and_the_dataset_read_every_mode_as_the_decoder_does(tmp_path):
         for tensor in (dataset[index][0], predicted[index][0]):
             got = [tuple(tensor[:, 0, x].tolist()) for x in range(2)]
             assert got == expected, name
+
+
+def test_check_images_skips_the_unreadable_files_of_the_training_and_the_validation_folder(tmp_path):
+    """--check-images with --val-path: a broken file in either folder is skipped at the start and
+    named; without it, both are kept (found by their extension) for the loader to meet."""
+    from utils import read_split_data
+
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            os.makedirs(tmp_path / split / name)
+            for i in range(2):
+                Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / split / name / f"{i}.png")
+        (tmp_path / split / "b" / "broken.jpg").write_bytes(b"not an image")
+    checked = read_split_data(str(tmp_path / "train"), val_root=str(tmp_path / "val"), check_images=True)
+    assert (len(checked.train_images_path), len(checked.val_images_path)) == (4, 4)
+    assert sorted(checked.skipped) == [str(tmp_path / s / "b" / "broken.jpg") for s in ("train", "val")]
+    unchecked = read_split_data(str(tmp_path / "train"), val_root=str(tmp_path / "val"))
+    assert (len(unchecked.train_images_path), len(unchecked.val_images_path)) == (5, 5)
