@@ -47,3 +47,33 @@ def test_an_onnx_model_takes_a_batch_of_1_and_of_200(tmp_path):
     model = tiny_net()
     exported = export.export_onnx(model, torch.randn(2, 3, 16, 16), str(tmp_path / "tiny.onnx"), RUN)
     check_every_batch_size(model, exported)
+
+
+def test_export_py_checks_the_export_on_another_batch_size_than_its_example(tmp_path, monkeypatch):
+    """An export specialised to its example's batch size would pass a check on that size: the
+    check batch is another size (and other values)."""
+    import json
+
+    from model import create_model
+
+    torch.manual_seed(0)
+    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
+    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
+    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    seen = {}
+
+    def exporter(model, example, path, run):
+        seen["example"] = example.clone()
+        open(path, "wb").close()
+
+        def run_exported(images):
+            seen["check"] = images.clone()
+            return model(images)
+        return run_exported
+
+    monkeypatch.setitem(export.EXPORTERS, "pt2", exporter)
+    export.main(["--weights", str(tmp_path / "model-best.pth")])
+    assert (tmp_path / "model-best.pt2").is_file()
+    example, check = seen["example"], seen["check"]
+    assert example.shape[1:] == check.shape[1:] == (3, 32, 32)
+    assert example.shape[0] != check.shape[0], (example.shape, check.shape)

@@ -108,3 +108,24 @@ def test_val_rate_is_at_least_0_and_below_1(rate, ok):
     else:
         with pytest.raises(UserError, match=rf"^--val-rate {rate}: must be at least 0 and below 1"):
             split_by_class(images, labels, ["a", "b"], rate, 0)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_eval_only_takes_the_runs_model_size_split_and_seed_unless_given(tmp_path, script):
+    """--eval-only evaluates on the validation split the run trained beside: args.json's model,
+    image sizes, --val-rate and --seed, and its data, unless typed on the command line."""
+    import json
+
+    data = tmp_path / "data"
+    data.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 48, "val_resize_size": 60,
+                                               "val_rate": 0.3, "seed": 3, "data_path": str(data)}))
+    weights = str(run / "model-best.pth")
+    args = parse_args(get_args_parser(SCRIPTS[script]), ["--eval-only", "--weights", weights])
+    assert (args.model, args.img_size, args.val_resize_size, args.val_rate, args.seed, args.data_path) == \
+        ("resnet18", 48, 60, 0.3, 3, str(data))
+    typed = parse_args(get_args_parser(SCRIPTS[script]), ["--eval-only", "--weights", weights, "--seed", "5",
+                                                           "--img-size", "64", "--val-resize-size", "80"])
+    assert (typed.seed, typed.img_size, typed.val_resize_size, typed.val_rate) == (5, 64, 80, 0.3)

@@ -53,6 +53,16 @@ def test_precision_requests_that_cannot_work_are_errors(monkeypatch):
     assert choose_precision("bf16", CPU).mode == "bf16"  # asked for: emulated where not native
 
 
+@pytest.mark.parametrize("amx, avx512_bf16, native", [(True, False, True), (False, True, True), (True, True, True),
+                                                    (False, False, False)])
+def test_either_bf16_instruction_set_makes_the_cpu_native(monkeypatch, amx, avx512_bf16, native):
+    """AMX or AVX512-BF16, each alone, is native bf16 (whatever this CPU has)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert performance.cpu_runs_bf16_natively() is native
+    assert choose_precision("auto", CPU).mode == ("bf16" if native else "off")
+
+
 def test_this_cpus_bf16_flag_matches_proc_cpuinfo():
     assert performance.cpu_runs_bf16_natively() == cpuinfo_lists_bf16()
 
