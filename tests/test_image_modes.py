@@ -153,3 +153,30 @@ def test_check_images_skips_the_unreadable_files_of_the_training_and_the_validat
     assert sorted(checked.skipped) == [str(tmp_path / s / "b" / "broken.jpg") for s in ("train", "val")]
     unchecked = read_split_data(str(tmp_path / "train"), val_root=str(tmp_path / "val"))
     assert (len(unchecked.train_images_path), len(unchecked.val_images_path)) == (5, 5)
+
+
+@pytest.mark.parametrize("mode, fmt", [("RGBA", "png"), ("LA", "png"), ("RGBA", "webp"), ("P", "png"), ("RGB", "png")])
+def test_transparent_and_opaque_images_are_turned_upright_too(tmp_path, mode, fmt):
+    """EXIF orientation 6 on a 4 wide, 2 high image with a transparent left column (where the
+    mode has transparency): shown 2 wide and 4 high, the transparent column on top, white."""
+    colour = {"RGBA": (200, 100, 50, 255), "LA": (77, 255), "P": 1, "RGB": (200, 100, 50)}[mode]
+    clear = {"RGBA": (9, 9, 9, 0), "LA": (9, 0), "P": 2, "RGB": (9, 9, 9)}[mode]
+    img = Image.new(mode, (4, 2), colour)
+    if mode == "P":
+        img.putpalette([0, 0, 0, 200, 100, 50, 9, 9, 9] + [0] * (256 * 3 - 9))
+    for y in range(2):
+        img.putpixel((0, y), clear)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    kwargs = {"exif": exif.tobytes()}
+    if fmt == "webp":
+        kwargs["lossless"] = True
+    if mode == "P":
+        kwargs["transparency"] = 2
+    path = tmp_path / f"turned.{fmt}"
+    img.save(path, **kwargs)
+    tensor = images.read_image_uint8(str(path))
+    assert tensor.shape == (3, 4, 2), tensor.shape
+    top = tuple(tensor[:, 0, 0].tolist())
+    assert top == ((9, 9, 9) if mode == "RGB" else WHITE), top  # the left column, turned to the top
+    assert tuple(tensor[:, 3, 1].tolist()) == ((77,) * 3 if mode == "LA" else (200, 100, 50))

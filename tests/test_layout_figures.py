@@ -134,3 +134,28 @@ def torch_cpu():
     import torch
 
     return torch.device("cpu")
+
+
+@pytest.mark.parametrize("local_rank, writes", [(0, True), (1, False)])
+def test_the_first_process_of_every_node_makes_the_demo_data(tmp_path, monkeypatch, local_rank, writes):
+    """On the second of two nodes (global ranks 2 and 3: nodes need not share a file system),
+    local rank 0 writes data/demo and local rank 1 waits for it."""
+    from multi_train_utils import inputs
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    class Built(Exception):
+        """The datasets are built next: who made the data is decided by then."""
+
+    def build_datasets(args):
+        raise Built
+
+    waited = []
+    monkeypatch.setattr(inputs, "get_rank", lambda: 2 + local_rank)
+    monkeypatch.setattr(inputs, "get_world_size", lambda: 4)
+    monkeypatch.setattr(inputs, "make_demo_dataset", lambda path: os.makedirs(os.path.join(path, "written")))
+    monkeypatch.setattr(inputs, "wait_for_folder", lambda path, **kw: waited.append(path))
+    args = parse_args(get_args_parser(distributed=True), ["--demo", "--data-path", str(tmp_path / "demo")])
+    with pytest.raises(Built):
+        inputs.load_data(args, build_datasets, local_rank=local_rank, world_size=4)
+    assert (tmp_path / "demo" / "written").is_dir() is writes
+    assert waited == ([] if writes else [str(tmp_path / "demo")])
