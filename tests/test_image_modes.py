@@ -180,3 +180,10 @@ def test_transparent_and_opaque_images_are_turned_upright_too(tmp_path, mode, fm
     top = tuple(tensor[:, 0, 0].tolist())
     assert top == ((9, 9, 9) if mode == "RGB" else WHITE), top  # the left column, turned to the top
     assert tuple(tensor[:, 3, 1].tolist()) == ((77,) * 3 if mode == "LA" else (200, 100, 50))
+
+
+def test_the_tutorials_utils_build_transforms_is_the_engines():
+    """utils.py re-exports build_transforms (where the tutorial's scripts import it from)."""
+    import utils
+
+    assert utils.build_transforms is images.build_transforms

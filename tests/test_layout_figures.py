@@ -159,3 +159,20 @@ def test_the_first_process_of_every_node_makes_the_demo_data(tmp_path, monkeypat
         inputs.load_data(args, build_datasets, local_rank=local_rank, world_size=4)
     assert (tmp_path / "demo" / "written").is_dir() is writes
     assert waited == ([] if writes else [str(tmp_path / "demo")])
+
+
+@pytest.mark.parametrize("sharing, threads, workers", [(1, 8, 8), (2, 4, 4), (3, 2, 2), (16, 1, 1)])
+def test_a_process_takes_its_share_of_threads_and_workers_not_the_machines(monkeypatch, sharing, threads, workers):
+    """configure_cpu_threads, as both scripts call it: 8 cores shared by ``sharing`` processes."""
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    before = torch.get_num_threads()
+    try:
+        got = distributed_utils.configure_cpu_threads(torch.device("cpu"), None, sharing=sharing)
+        assert (torch.get_num_threads(), got) == (threads, workers)
+        flags = type("Args", (), {"threads": 3, "workers": 0})()  # --threads and --workers win
+        assert distributed_utils.configure_cpu_threads(torch.device("cpu"), flags, sharing=sharing) == 0
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

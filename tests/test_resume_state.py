@@ -159,6 +159,7 @@ def test_a_resume_restores_each_counter_and_the_best_by_hand(tmp_path):
     assert state.epoch == 3
     assert (state.best.value, state.best.accuracy, state.best.epoch, state.best.source) == \
         (pytest.approx(0.40), pytest.approx(0.7), 1, "ema")
+    assert torch.equal(state.best.confusion, results[1][1].confusion)  # for the confusion matrix at the end
     assert state.ema.updates == 3
     assert state.scaler.get_scale() == 2.0 ** 10 / 2 ** 3
     assert state.optimizer.state_dict()["state"][0]["step"].item() == 3
@@ -180,3 +181,30 @@ def test_a_resume_restores_each_counter_and_the_best_by_hand(tmp_path):
     after_1 = (2 / 11) * after_0 + (1 - 2 / 11) * 1.0
     best = torch.load(tmp_path / "run" / "model-best.pth", weights_only=True)
     torch.testing.assert_close(best["weight"], after_1, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("accum_steps, batches", [(1, 8), (2, 8), (3, 8)])
+def test_a_resumed_schedule_goes_on_at_the_rate_of_a_run_never_stopped(accum_steps, batches):
+    """The schedule counts optimizer steps (ceil(batches / --accum-steps) an epoch): resumed at
+    epoch 2, its rates are those a straight run steps through from there, warm-up and cosine
+    alike."""
+    from model import create_lr_scheduler
+
+    args = argparse.Namespace(epochs=5, warmup_epochs=1, lrf=0.1, lr_scheduler="cosine", lr_step_size=30,
+                              lr_gamma=0.1, accum_steps=accum_steps)
+
+    def rates(start_epoch, steps):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+        scheduler = create_lr_scheduler(optimizer, args, batches, start_epoch=start_epoch)
+        seen = []
+        for _ in range(steps):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    per_epoch = -(-batches // accum_steps)
+    straight = rates(0, 5 * per_epoch)
+    assert rates(2, 3 * per_epoch) == pytest.approx(straight[2 * per_epoch:], rel=1e-12)
+    assert straight[0] == pytest.approx(0.5 / per_epoch)  # the first warm-up step
+    assert straight[per_epoch] == pytest.approx(0.5)  # the cosine's start, after 1 epoch of warm-up

@@ -119,3 +119,20 @@ def test_the_balanced_draw_reaches_every_image_of_every_class_first_and_last_inc
     assert seen == set(range(len(labels)))  # within a class, every image, the first and the last
     total = sum(classes)
     assert all(abs(count / total - 1 / 3) < 0.03 for count in classes), classes  # 1600 draws: sigma 0.012
+
+
+def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
+    """make_batch_mixer (what both scripts call): the same --seed mixes a batch alike, another
+    --seed otherwise; rank and (epoch, step) count too."""
+    from multi_train_utils.mixing import make_batch_mixer
+
+    images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
+
+    def mixed(seed, rank=0, epoch=0, step=0):
+        args = argparse.Namespace(mixup_alpha=0.2, cutmix_alpha=1.0, seed=seed)
+        return make_batch_mixer(args, 4, rank=rank)(images.clone(), labels, epoch, step)[1]
+
+    assert torch.equal(mixed(3), mixed(3))
+    assert not torch.equal(mixed(3), mixed(0))
+    assert not torch.equal(mixed(3), mixed(3, rank=1))
+    assert not torch.equal(mixed(3), mixed(3, epoch=1)) and not torch.equal(mixed(3), mixed(3, step=1))
