@@ -18,10 +18,16 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "T
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    """No launcher's variables; afterwards the environment as it was (read_dist_env sets RANK,
+    MASTER_ADDR ... itself, as srun's processes need)."""
+    saved = dict(os.environ)
     for name in list(os.environ):
         if name in LAUNCHER_VARIABLES or name.startswith("SLURM_"):
             monkeypatch.delenv(name)
-    return monkeypatch
+    yield monkeypatch
+    monkeypatch.undo()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_torchrun_on_the_second_of_two_nodes(clean_env):
