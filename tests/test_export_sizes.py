@@ -77,3 +77,25 @@ def test_export_py_checks_the_export_on_another_batch_size_than_its_example(tmp_
     example, check = seen["example"], seen["check"]
     assert example.shape[1:] == check.shape[1:] == (3, 32, 32)
     assert example.shape[0] != check.shape[0], (example.shape, check.shape)
+
+
+@pytest.mark.parametrize("offset", [-1.0, 1.0])
+def test_an_export_off_by_more_than_1e_4_either_way_is_refused_and_leaves_no_file(tmp_path, monkeypatch, offset):
+    import json
+
+    from model import create_model
+    from multi_train_utils.errors import UserError
+
+    torch.manual_seed(0)
+    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
+    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
+    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+
+    def exporter(model, example, path, run):
+        open(path, "wb").close()
+        return lambda images: model(images) + offset  # logits too high or too low
+
+    monkeypatch.setitem(export.EXPORTERS, "pt2", exporter)
+    with pytest.raises(UserError, match=r"the exported pt2 model differs from the eager one by 1\.00e\+00"):
+        export.main(["--weights", str(tmp_path / "model-best.pth")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "class_indices.json", "model-best.pth"]

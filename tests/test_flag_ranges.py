@@ -129,3 +129,20 @@ def test_eval_only_takes_the_runs_model_size_split_and_seed_unless_given(tmp_pat
     typed = parse_args(get_args_parser(SCRIPTS[script]), ["--eval-only", "--weights", weights, "--seed", "5",
                                                            "--img-size", "64", "--val-resize-size", "80"])
     assert (typed.seed, typed.img_size, typed.val_resize_size, typed.val_rate) == (5, 64, 80, 0.3)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--timeout", "0"], "--timeout 0.0: give a positive number of seconds"),
+    (["--size-mb", "0"], "--size-mb 0.0: give a positive size in MiB"),
+    (["--size-mb", "-1"], "--size-mb -1.0: give a positive size in MiB"),
+    (["--spawn", "-1"], "--spawn -1: give a number of processes (0: off)")])
+def test_the_doctors_flags_refuse_what_cannot_work(tmp_path, flags, line):
+    import tools.doctor as doctor
+
+    args = doctor.get_args_parser().parse_args([*flags, "--output-dir", str(tmp_path)])
+    with pytest.raises(UserError) as e:
+        doctor.check_args(args)
+    assert str(e.value) == line
+    edge = doctor.get_args_parser().parse_args(["--timeout", "0.1", "--size-mb", "0.01", "--spawn", "0",
+                                                "--output-dir", str(tmp_path)])
+    doctor.check_args(edge)  # the smallest values that work are taken

@@ -187,3 +187,11 @@ def test_the_tutorials_utils_build_transforms_is_the_engines():
     import utils
 
     assert utils.build_transforms is images.build_transforms
+
+
+@pytest.mark.parametrize("side, keep_side, decoded", [(96, 48, 48), (95, 48, 95), (192, 48, 48), (64, 8, 8)])
+def test_a_jpeg_exactly_twice_the_side_kept_is_decoded_at_reduced_size(tmp_path, side, keep_side, decoded):
+    """"At least twice as large as needed": 96 px for 48 is decoded at 1/2, 95 px is not."""
+    path = flat_jpeg(tmp_path / "big.jpg", "RGB", (200, 100, 50), size=(side + 32, side))
+    tensor = images.read_image_uint8(path, keep_side)
+    assert min(tensor.shape[1:]) == decoded, tensor.shape

@@ -182,3 +182,13 @@ def test_a_process_takes_its_share_of_threads_and_workers_not_the_machines(monke
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_without_a_process_group_a_process_is_rank_0_of_1_whatever_the_variables(clean_env):
+    """train_single.py started inside a torchrun or srun task (RANK set) is still the one
+    process that prints and writes."""
+    from multi_train_utils.process import get_rank, get_world_size, is_main_process
+
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", SLURM_PROCID="3").items():
+        clean_env.setenv(name, value)
+    assert (get_rank(), get_world_size(), is_main_process()) == (0, 1, True)

@@ -113,3 +113,16 @@ def test_the_per_class_csv_has_every_class_with_nan_where_there_is_nothing_to_di
     recalls = [1.0] * 16 + [0.1, 0.5, 0.5, 0.6]
     assert float(values["balanced_accuracy"]) == pytest.approx(sum(recalls) / 20)
     assert int(values["images"]) == 200
+
+
+@pytest.mark.parametrize("counts, warning", [
+    ([9, 9, 3, 2, 2], ("class00", 9, "class03", 2)),  # ties: the first in label order, largest and smallest
+    ([2, 7, 7, 7, 2], ("class01", 7, "class00", 2)),
+    ([9, 3, 3], None),  # 3 times exactly: not "more than 3 times"
+    ([10, 3, 3], ("class00", 10, "class01", 3)),
+    ([5, 0, 1], ("class00", 5, "class01", 0))])  # a class without images is the smallest
+def test_the_imbalance_warning_names_the_first_of_tied_classes_beyond_three_times(counts, warning):
+    from multi_train_utils.balance import find_imbalance_in_counts
+
+    found = find_imbalance_in_counts(counts, names(len(counts)))
+    assert (tuple(found) if found else None) == warning

@@ -136,3 +136,17 @@ def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
     assert not torch.equal(mixed(3), mixed(0))
     assert not torch.equal(mixed(3), mixed(3, rank=1))
     assert not torch.equal(mixed(3), mixed(3, epoch=1)) and not torch.equal(mixed(3), mixed(3, step=1))
+
+
+def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
+    """Without a rank given, make_batch_mixer takes this process's (rank 1 of a job here)."""
+    from multi_train_utils import mixing
+
+    images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
+    args = argparse.Namespace(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
+
+    def mixed(**rank):
+        return mixing.make_batch_mixer(args, 4, **rank)(images.clone(), labels, 0, 0)[1]
+
+    monkeypatch.setattr(mixing, "get_rank", lambda: 1)
+    assert torch.equal(mixed(), mixed(rank=1)) and not torch.equal(mixed(), mixed(rank=0))

@@ -78,3 +78,17 @@ def test_a_checkpoint_elsewhere_is_never_taken_for_one_here(tmp_path):
     assert not resumes_in(str(tmp_path / "weights" / "old" / "checkpoint.pth"), weights)
     assert not resumes_in(str(tmp_path / "checkpoint.pth"), weights)
     assert not resumes_in(None, weights)
+
+
+def test_bad_input_leaves_the_empty_output_folder_you_made(tmp_path):
+    """The lock's clean-up removes only what taking the lock created: a folder the run made, yes;
+    an empty one you made for it, no."""
+    from multi_train_utils.run_lock import lock_output_dir
+
+    yours = tmp_path / "yours"
+    yours.mkdir()
+    lock_output_dir(str(yours)).discard()
+    assert yours.is_dir() and os.listdir(yours) == []
+    made = tmp_path / "made"
+    lock_output_dir(str(made)).discard()
+    assert not made.exists()
