@@ -47,6 +47,14 @@ def parse(distributed, *flags):
     return parse_args(get_args_parser(distributed), ["--data-path", "d", *flags])
 
 
+def accepted(distributed, *flags):
+    """The flags parsed; refusing them fails the test on an assertion that says why."""
+    try:
+        return parse(distributed, *flags)
+    except UserError as e:
+        raise AssertionError(f"{' '.join(flags)} refused: {e}") from None
+
+
 def dest(flag):
     return flag[2:].replace("-", "_")
 
@@ -66,7 +74,7 @@ def test_each_flag_refuses_the_value_just_outside_its_range_and_takes_its_edge(s
         assert e.value.code == 2
         return
     if ok:
-        args = parse(distributed, flag, value)
+        args = accepted(distributed, flag, value)
         assert getattr(args, dest(flag)) == (int(value) if flag in WHOLE_NUMBERS else float(value))
         return
     with pytest.raises(UserError) as e:
@@ -92,7 +100,7 @@ def test_the_tables_cover_every_numeric_flag_of_both_scripts():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_val_resize_size_may_equal_img_size_but_not_go_below(script):
     distributed = SCRIPTS[script]
-    assert parse(distributed, "--img-size", "32", "--val-resize-size", "32").val_resize_size == 32
+    assert accepted(distributed, "--img-size", "32", "--val-resize-size", "32").val_resize_size == 32
     with pytest.raises(UserError, match=r"^--val-resize-size 31: must be at least --img-size 32"):
         parse(distributed, "--img-size", "32", "--val-resize-size", "31")
 
@@ -145,4 +153,7 @@ def test_the_doctors_flags_refuse_what_cannot_work(tmp_path, flags, line):
     assert str(e.value) == line
     edge = doctor.get_args_parser().parse_args(["--timeout", "0.1", "--size-mb", "0.01", "--spawn", "0",
                                                 "--output-dir", str(tmp_path)])
-    doctor.check_args(edge)  # the smallest values that work are taken
+    try:
+        doctor.check_args(edge)  # the smallest values that work are taken
+    except UserError as e:
+        raise AssertionError(f"refused: {e}") from None

@@ -159,7 +159,8 @@ def test_a_resume_restores_each_counter_and_the_best_by_hand(tmp_path):
     assert state.epoch == 3
     assert (state.best.value, state.best.accuracy, state.best.epoch, state.best.source) == \
         (pytest.approx(0.40), pytest.approx(0.7), 1, "ema")
-    assert torch.equal(state.best.confusion, results[1][1].confusion)  # for the confusion matrix at the end
+    assert state.best.confusion is not None  # for the confusion matrix at the end
+    assert torch.equal(state.best.confusion, results[1][1].confusion)
     assert state.ema.updates == 3
     assert state.scaler.get_scale() == 2.0 ** 10 / 2 ** 3
     assert state.optimizer.state_dict()["state"][0]["step"].item() == 3
