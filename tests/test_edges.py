@@ -68,3 +68,66 @@ def test_up_to_five_classes_without_validation_images_get_a_note_each(tmp_path, 
         assert split.notes[0].startswith("6 classes get no validation image ('c0', 'c1', 'c2', ...)")
     else:
         assert [n.split("'")[1] for n in split.notes] == classes[:5]  # the first and the last of them
+
+
+@pytest.mark.parametrize("steps, counted", [(1, 4), (2, 8), (3, 4), (5, 12)])
+def test_images_per_second_leave_out_two_warm_up_steps_only_in_longer_epochs(steps, counted):
+    """Batches of 4: an epoch of 2 steps or fewer counts all its images, a longer one all but the
+    first 2 steps' (8)."""
+    import torch
+
+    from multi_train_utils.train_eval_utils import EpochClock
+
+    clock = EpochClock(torch.device("cpu"), images_per_step=4, steps=steps)
+    for step in range(steps):
+        clock.step_done(step)
+    stats = clock.stats(1.0, 0.1)
+    assert stats.images == 4 * steps
+    assert stats.images - clock.warm_images == counted and stats.images_per_second > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_training_bar_counts_the_whole_jobs_images_to_its_end(monkeypatch, world_size):
+    """Each rank's bar stands for the job: it counts every rank's images and ends at its total."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from multi_train_utils import train_eval_utils
+    from multi_train_utils.checkpoint import TrainState
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_eval_utils, "tqdm", Bar)
+    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: world_size)
+    images = [(torch.zeros(3, 4, 4, dtype=torch.uint8), 0)] * 12
+    loader = DataLoader(images, batch_size=4)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))
+    train_eval_utils.train_one_epoch(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), loader,
+                                     torch.device("cpu"), 0)
+    assert [(bar.total, bar.n) for bar in bars] == [(12 * world_size, 12 * world_size)]
+
+
+@pytest.mark.parametrize("val_resize_size, val_side", [(None, 37), (48, 48)])
+def test_large_validation_jpegs_keep_the_resize_size_and_training_ones_twice_the_crop(val_resize_size, val_side):
+    from my_dataset import image_file_datasets
+    from utils import DataSplit
+
+    split = DataSplit(train_images_path=["a.jpg"], train_images_label=[0], val_images_path=["b.jpg"],
+                      val_images_label=[0], classes=["x"], skipped=[], skip_reasons={}, notes=[])
+    data = image_file_datasets(split, 32, {"val_resize_size": val_resize_size})
+    assert (data.train.keep_side, data.val.keep_side) == (64, val_side)  # round(32 x 256 / 224) = 37

@@ -99,3 +99,40 @@ def test_an_export_off_by_more_than_1e_4_either_way_is_refused_and_leaves_no_fil
     with pytest.raises(UserError, match=r"the exported pt2 model differs from the eager one by 1\.00e\+00"):
         export.main(["--weights", str(tmp_path / "model-best.pth")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["args.json", "class_indices.json", "model-best.pth"]
+
+
+@pytest.mark.parametrize("fmt, name", [("pt2", "model-best.pt2"), ("onnx", "model-best.onnx"),
+                                       ("torchscript", "model-best.torchscript.pt")])
+def test_each_format_has_its_default_name_beside_the_weights(tmp_path, monkeypatch, fmt, name):
+    import json
+
+    from model import create_model
+
+    torch.manual_seed(0)
+    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
+    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
+    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+
+    def exporter(model, example, path, run):
+        open(path, "wb").close()
+        return model
+
+    monkeypatch.setitem(export.EXPORTERS, fmt, exporter)
+    export.main(["--weights", str(tmp_path / "model-best.pth"), "--format", fmt])
+    assert (tmp_path / name).is_file()
+
+
+def test_a_pt2_without_one_of_the_run_settings_is_refused_naming_it(tmp_path):
+    """A .pt2 that export.py did not write (its run.json lacks a setting predict.py reads) is a
+    one-line error naming what is missing, for each setting."""
+    import json
+
+    from multi_train_utils.errors import UserError
+
+    program = torch.export.export(tiny_net(), (torch.randn(2, 3, 16, 16),))
+    for missing in RUN_KEYS:
+        path = str(tmp_path / f"without-{missing}.pt2")
+        run = {key: RUN[key] for key in RUN_KEYS if key != missing}
+        torch.export.save(program, path, extra_files={"run.json": json.dumps(run)})
+        with pytest.raises(UserError, match=rf"has no run\.json with {missing} \(a program export\.py did not"):
+            load_program(path)

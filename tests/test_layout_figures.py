@@ -192,3 +192,12 @@ def test_without_a_process_group_a_process_is_rank_0_of_1_whatever_the_variables
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", SLURM_PROCID="3").items():
         clean_env.setenv(name, value)
     assert (get_rank(), get_world_size(), is_main_process()) == (0, 1, True)
+
+
+def test_torchruns_local_rank_wins_over_a_local_rank_flag(clean_env):
+    """A --local-rank left in a command line does not override the launcher's LOCAL_RANK."""
+    for name, value in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        clean_env.setenv(name, value)
+    assert read_dist_env(local_rank_arg=0).local_rank == 1
+    clean_env.delenv("LOCAL_RANK")
+    assert read_dist_env(local_rank_arg=1).local_rank == 1  # torch.distributed.launch's --local-rank=K

@@ -126,3 +126,35 @@ def test_the_imbalance_warning_names_the_first_of_tied_classes_beyond_three_time
 
     found = find_imbalance_in_counts(counts, names(len(counts)))
     assert (tuple(found) if found else None) == warning
+
+
+def test_a_report_without_a_single_confusion_prints_no_empty_pairs_heading(capsys):
+    print_evaluation(diagonal(21), names(21))
+    out = capsys.readouterr().out
+    assert "classes of lowest recall" in out and "most confused" not in out
+
+
+def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, capsys):
+    """--eval-only with several processes: rank 0 reports, the others neither print nor write."""
+    from multi_train_utils import summary
+
+    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
+                              class_weights="none", eval_output=str(tmp_path / "eval"), weights="w.pth")
+    data = argparse.Namespace(classes=names(3), train=Split([0, 1, 2]), val=Split([0, 1, 2]), skipped=[])
+    monkeypatch.setattr(summary, "is_main_process", lambda: False)
+    summary.report_evaluation(diagonal(3), data, args)
+    assert capsys.readouterr().out == "" and not (tmp_path / "eval").exists()
+    monkeypatch.setattr(summary, "is_main_process", lambda: True)
+    summary.report_evaluation(diagonal(3), data, args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "top1 accuracy: 1.000000 (12/12)"
+    assert (tmp_path / "eval" / "per_class_metrics.csv").is_file()
+
+
+@pytest.mark.parametrize("sampler, class_weights, warned", [("shuffle", "none", True), ("balanced", "none", False),
+                                                            ("shuffle", "balanced", False),
+                                                            ("balanced", "balanced", False)])
+def test_the_imbalance_warning_is_left_out_once_either_remedy_is_given(sampler, class_weights, warned):
+    from multi_train_utils.balance import imbalance_warning
+
+    args = argparse.Namespace(sampler=sampler, class_weights=class_weights)
+    assert (imbalance_warning(args, [10, 3], ["a", "b"]) is not None) is warned

@@ -150,3 +150,12 @@ def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
 
     monkeypatch.setattr(mixing, "get_rank", lambda: 1)
     assert torch.equal(mixed(), mixed(rank=1)) and not torch.equal(mixed(), mixed(rank=0))
+
+
+@pytest.mark.parametrize("mixup, cutmix, mixes", [(0.2, 0.0, True), (0.0, 1.0, True), (0.2, 1.0, True),
+                                                  (0.0, 0.0, False)])
+def test_mixup_or_cutmix_alone_mixes(mixup, cutmix, mixes):
+    from multi_train_utils.mixing import make_batch_mixer
+
+    mixer = make_batch_mixer(argparse.Namespace(mixup_alpha=mixup, cutmix_alpha=cutmix, seed=0), 4, rank=0)
+    assert (mixer is not None) is mixes

@@ -92,3 +92,14 @@ def test_bad_input_leaves_the_empty_output_folder_you_made(tmp_path):
     made = tmp_path / "made"
     lock_output_dir(str(made)).discard()
     assert not made.exists()
+
+
+def test_the_clean_up_removes_our_temporary_files_only(tmp_path):
+    """A killed write leaves .NAME.XXXXXXXX.tmp of one of our names; a hidden .tmp of yours stays."""
+    ours = [".checkpoint.pth.a1b2c3d4.tmp", ".model-3.pth.x1y2z3w4.tmp", ".metrics.csv.q1w2e3r4.tmp"]
+    theirs = [".model-3.pth.orig.1234.tmp", ".model-3-finetuned.pth.abcd.tmp", ".notes.txt.abcd1234.tmp",
+              ".checkpoint-old.pth.abcd1234.tmp"]
+    for name in ours + theirs:
+        (tmp_path / name).write_text(name)
+    clear_earlier_run(argparse.Namespace(output_dir=str(tmp_path), overwrite=False, resume=None), None)
+    assert listing(tmp_path) == sorted(theirs)
