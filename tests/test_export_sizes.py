@@ -31,6 +31,18 @@ def check_every_batch_size(model, exported):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4, msg=f"batch {batch}")
 
 
+def trained_run(folder):
+    """What export.py reads of a run in ``folder``: model-best.pth, args.json, class_indices.json."""
+    import json
+
+    from model import create_model
+
+    torch.manual_seed(0)
+    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), folder / "model-best.pth")
+    (folder / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
+    (folder / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+
+
 def test_a_pt2_takes_a_batch_of_1_and_of_200_and_carries_the_run(tmp_path):
     model = tiny_net()
     path = str(tmp_path / "tiny.pt2")
@@ -52,14 +64,7 @@ def test_an_onnx_model_takes_a_batch_of_1_and_of_200(tmp_path):
 def test_export_py_checks_the_export_on_another_batch_size_than_its_example(tmp_path, monkeypatch):
     """An export specialised to its example's batch size would pass a check on that size: the
     check batch is another size (and other values)."""
-    import json
-
-    from model import create_model
-
-    torch.manual_seed(0)
-    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
-    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
-    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    trained_run(tmp_path)
     seen = {}
 
     def exporter(model, example, path, run):
@@ -81,15 +86,9 @@ def test_export_py_checks_the_export_on_another_batch_size_than_its_example(tmp_
 
 @pytest.mark.parametrize("offset", [-1.0, 1.0])
 def test_an_export_off_by_more_than_1e_4_either_way_is_refused_and_leaves_no_file(tmp_path, monkeypatch, offset):
-    import json
-
-    from model import create_model
     from multi_train_utils.errors import UserError
 
-    torch.manual_seed(0)
-    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
-    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
-    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    trained_run(tmp_path)
 
     def exporter(model, example, path, run):
         open(path, "wb").close()
@@ -104,14 +103,7 @@ def test_an_export_off_by_more_than_1e_4_either_way_is_refused_and_leaves_no_fil
 @pytest.mark.parametrize("fmt, name", [("pt2", "model-best.pt2"), ("onnx", "model-best.onnx"),
                                        ("torchscript", "model-best.torchscript.pt")])
 def test_each_format_has_its_default_name_beside_the_weights(tmp_path, monkeypatch, fmt, name):
-    import json
-
-    from model import create_model
-
-    torch.manual_seed(0)
-    torch.save(create_model("shufflenet_v2_x0_5", 3).state_dict(), tmp_path / "model-best.pth")
-    (tmp_path / "args.json").write_text(json.dumps({"model": "shufflenet_v2_x0_5", "img_size": 32}))
-    (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b", "2": "c"}))
+    trained_run(tmp_path)
 
     def exporter(model, example, path, run):
         open(path, "wb").close()
