@@ -105,7 +105,8 @@ def get_args_parser(distributed):
                          help="seconds a collective waits for a missing rank before the job fails")
         ddp.add_argument("--local-rank", "--local_rank", type=int, default=None,
                          help="set by torch.distributed.launch (default: none; LOCAL_RANK wins)")
-        ddp.add_argument("--spawn", type=in_range(int, lambda v: v >= 0, "be 0 (off) or more"), default=0, metavar="N",
+        ddp.add_argument("--spawn", type=in_range(int, lambda v: v >= 0, "be 0 (off) or more"), default=0,
+                         metavar="N",
                          help="start N local processes with torch.multiprocessing.spawn (default: 0, off)")
     else:
         parser.add_argument_group("multi-GPU").add_argument(

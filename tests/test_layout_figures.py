@@ -6,14 +6,13 @@ In-process, with the variables, the core affinity and the gathered facts made up
 import os
 
 import pytest
+import torch
 
 import tools.doctor as doctor
+from conftest import LAUNCHER_VARIABLES
 from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import (count_sharing, cores_per_process, default_workers,
                                                  processes_sharing_cores, read_dist_env)
-
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                      "MASTER_PORT")
 
 
 @pytest.fixture
@@ -129,17 +128,11 @@ def test_a_batch_larger_than_a_ranks_share_is_refused_on_two_nodes_of_one_proces
     args = parse_args(get_args_parser(distributed=True), ["--data-path", str(tmp_path / "data"), "--batch-size", "13",
                                                           "--output-dir", str(tmp_path / "out")])
     with pytest.raises(UserError) as e:
-        inputs.read_inputs(args, build_datasets, torch_cpu())
+        inputs.read_inputs(args, build_datasets, torch.device("cpu"))
     assert str(e.value) == ("--batch-size 13: each of the 2 process(es) gets only 12 of the 24 training images; "
                             "use --batch-size 12 or less")
     args.batch_size = 12
-    assert len(inputs.read_inputs(args, build_datasets, torch_cpu()).data.train) == 24
-
-
-def torch_cpu():
-    import torch
-
-    return torch.device("cpu")
+    assert len(inputs.read_inputs(args, build_datasets, torch.device("cpu")).data.train) == 24
 
 
 @pytest.mark.parametrize("local_rank, writes", [(0, True), (1, False)])
@@ -170,8 +163,6 @@ def test_the_first_process_of_every_node_makes_the_demo_data(tmp_path, monkeypat
 @pytest.mark.parametrize("sharing, threads, workers", [(1, 8, 8), (2, 4, 4), (3, 2, 2), (16, 1, 1)])
 def test_a_process_takes_its_share_of_threads_and_workers_not_the_machines(monkeypatch, sharing, threads, workers):
     """configure_cpu_threads, as both scripts call it: 8 cores shared by ``sharing`` processes."""
-    import torch
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     before = torch.get_num_threads()
     try:
