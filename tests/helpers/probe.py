@@ -32,6 +32,9 @@ Environment:
                   vanishes while the run uses it)
   PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
                   them, and how many class folders this rank listed itself
+  PROBE_WRITES    "1": record the files this process (not its loader workers) opens for writing,
+                  renames into place or removes: "writes", sorted (an audit hook sees them all,
+                  whichever library writes; torch.save's own writer is seen by its os.replace)
 Probes live here, not in the product's flags.
 """
 import importlib
@@ -239,6 +242,22 @@ def counted_loss_forward(self, x, y):
 nn.CrossEntropyLoss.forward = counted_loss_forward
 
 main_pid, real_exit = os.getpid(), os._exit
+
+if os.environ.get("PROBE_WRITES") == "1":
+    written, record["writes"] = set(), []
+
+    def note_writes(event, args):
+        if os.getpid() != main_pid:
+            return
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and (
+                any(c in str(args[1] or "") for c in "wax+") or (isinstance(args[2], int) and args[2] & (
+                    os.O_WRONLY | os.O_RDWR | os.O_CREAT))):
+            written.add(os.path.abspath(os.fsdecode(args[0])))
+        elif event in ("os.rename", "os.remove", "os.unlink") and isinstance(args[0], (str, bytes, os.PathLike)):
+            written.add(os.path.abspath(os.fsdecode(args[1] if event == "os.rename" else args[0])))
+        record["writes"] = sorted(written)
+
+    sys.addaudithook(note_writes)
 
 
 def write_record():

@@ -1,0 +1,219 @@
+"""Each refusal that no run of the other tests reaches: the flags that do not go together,
+predict.py's and export.py's inputs, weights that do not fit, a device that is not there, a
+label file that is not one. In-process: each case checks the one line (it names the input
+and what to do) and, beside it, that the value just inside is taken. test_bad_input.py
+checks how such a line reaches the user (exit code 2, no traceback)."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import model as model_file
+import predict
+from multi_train_utils import distributed_utils, exported, pictures
+from multi_train_utils.checkpoint import load_checkpoint
+from multi_train_utils.errors import UserError
+from multi_train_utils.inputs import check_datasets
+from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.run_files import read_run_settings
+from my_dataset import Datasets
+from utils import read_label_files
+
+SCRIPTS = {"train_single.py": False, "train_multi_gpu.py": True}
+
+
+def refusal(call, *args, **kwargs):
+    """The UserError's line of ``call(*args, **kwargs)``; no refusal fails the test."""
+    with pytest.raises(UserError) as caught:
+        call(*args, **kwargs)
+    line = str(caught.value)
+    assert "\n" not in line, line
+    return line
+
+
+def parse(distributed, *flags):
+    return parse_args(get_args_parser(distributed), list(flags))
+
+
+# --- Flags that do not go together, on both scripts -------------------------------------------------
+@pytest.mark.parametrize("distributed", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_flags_that_do_not_go_together_are_one_line_each(distributed, tmp_path):
+    weights = tmp_path / "model-best.pth"
+    weights.write_bytes(b"")  # --eval-only reads the run's settings only where args.json is
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("mine")
+    d = ["--data-path", str(tmp_path)]
+    cases = [
+        (d + ["--eval-output", str(tmp_path / "out")], ["--eval-output is for --eval-only", "--output-dir"]),
+        (d + ["--eval-only", "--weights", str(weights), "--eval-output", str(a_file)],
+         [f"--eval-output {a_file}: is a file; give a folder"]),
+        (["--download", "--demo"], ["--download and --demo do not go together"]),
+        (d + ["--resume", "auto", "--eval-only", "--weights", str(weights)],
+         ["--resume and --eval-only do not go together", "--weights"]),
+        (["--train-list", str(a_file), "--data-path", str(tmp_path)], ["--data-path with --train-list", "drop --data-path"]),
+        (d + ["--val-list", str(a_file)], ["--val-list needs --train-list"]),
+        (["--train-list", str(a_file), "--val-path", str(tmp_path)], ["--val-path is for class folders", "--val-list"]),
+        (["--train-list", str(a_file), "--demo"], ["--train-list with --demo"]),
+        (["--train-list", str(a_file), "--download"], ["--train-list with --download"]),
+        (d + ["--img-size", "64", "--val-resize-size", "63"], ["--val-resize-size 63: must be at least --img-size 64"]),
+    ]
+    for flags, expected in cases:
+        line = refusal(parse, distributed, *flags)
+        for text in expected:
+            assert text in line, (flags, line)
+    # each flag alone, and the value at the edge, are taken
+    assert parse(distributed, *d, "--eval-only", "--weights", str(weights), "--eval-output",
+                 str(tmp_path / "out")).eval_output == str(tmp_path / "out")
+    assert parse(distributed, "--demo").demo and parse(distributed, "--download").download
+    assert parse(distributed, *d, "--img-size", "64", "--val-resize-size", "64").val_resize_size == 64
+    assert parse(distributed, "--train-list", str(a_file), "--val-list", str(a_file)).val_list == str(a_file)
+
+
+def test_compile_with_data_parallel_is_refused_and_each_alone_is_taken(tmp_path):
+    d = ["--data-path", str(tmp_path)]
+    line = refusal(parse, False, *d, "--compile", "--data-parallel")
+    assert "--compile with --data-parallel" in line and "train_multi_gpu.py --compile" in line
+    assert parse(False, *d, "--compile").compile and parse(False, *d, "--data-parallel").data_parallel
+
+
+# --- predict.py -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--top-k", "--batch-size"])
+def test_predict_refuses_zero_top_k_or_batch_before_reading_anything(flag, tmp_path):
+    line = refusal(predict.main, ["--weights", str(tmp_path / "none.pth"), "--image", str(tmp_path / "none"), flag, "0"])
+    assert line == "--top-k and --batch-size must be at least 1"
+
+
+def test_predict_names_a_missing_image_and_a_folder_without_images(tmp_path):
+    assert refusal(predict.find_images, str(tmp_path / "nope")) == f"--image {tmp_path / 'nope'}: no such file or folder"
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / ".hidden.jpg").write_bytes(b"x")
+    line = refusal(predict.find_images, str(tmp_path))
+    assert line.startswith(f"--image {tmp_path}: no image files in that folder (") and ".jpg" in line
+
+
+def test_predict_finds_images_by_extension_in_any_case_first_and_last_included(tmp_path):
+    names = ["A.JPG", "b.png", "c.Jpeg", "d.txt", "z.WEBP"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "e.BMP").write_bytes(b"x")
+    found, unreadable = predict.find_images(str(tmp_path))
+    assert [os.path.relpath(p, tmp_path) for p in found] == ["A.JPG", "b.png", "c.Jpeg", "z.WEBP", os.path.join("sub", "e.BMP")]
+    assert unreadable == []
+
+
+# --- Weights that do not fit ---------------------------------------------------------------------------
+class NoHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.out = nn.Linear(2, 3)
+
+
+def test_weights_that_do_not_fit_are_named_with_counts_and_an_example():
+    net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 4))  # 0.weight 0.bias 1.weight 1.bias
+    line = refusal(model_file.load_matching_weights, net, {"other.weight": torch.zeros(1)}, source="--weights w.pth")
+    assert line.startswith("--weights w.pth: none of its tensors fit this model")
+    state = {"0.weight": torch.zeros(3, 2), "extra.a": torch.zeros(1), "extra.b": torch.zeros(1), "extra.c": torch.zeros(1)}
+    line = refusal(model_file.load_exact_weights, net, state, source="--weights w.pth")
+    assert "3 missing (e.g. 0.bias)" in line and "3 unexpected (e.g. extra.a)" in line, line
+    # a single matching tensor is enough for load_matching_weights
+    skipped, not_loaded = model_file.load_matching_weights(net, {"0.weight": torch.ones(3, 2)})
+    assert skipped == [] and not_loaded == ["0.bias", "1.bias", "1.weight"]
+    assert torch.equal(net[0].weight, torch.ones(3, 2))
+
+
+def test_a_model_without_a_head_cannot_freeze_its_layers_and_the_last_head_is_the_one():
+    assert refusal(model_file.head_name, NoHead()).startswith("--freeze-layers: this model has no child named fc")
+    net = nn.Module()
+    net.fc, net.body, net.head = nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1)
+    assert model_file.head_name(net) == "head"
+
+
+def test_a_torchvision_weights_name_that_does_not_exist_is_named_with_the_model():
+    line = refusal(model_file.read_weights, "IMAGENET9K_V9", "resnet18")
+    assert line == "--weights IMAGENET9K_V9: no such file, nor torchvision weights for resnet18"
+
+
+def test_weights_without_their_runs_settings_ask_for_the_flags(tmp_path):
+    weights = tmp_path / "model-best.pth"
+    weights.write_bytes(b"x")
+    line = refusal(read_run_settings, str(weights))
+    assert "give --model and --img-size" in line and str(weights) in line
+    line = refusal(read_run_settings, str(weights), model="resnet18", img_size=32)
+    assert line == f"{tmp_path / 'class_indices.json'}: not found; give --class-indices (the run's class_indices.json)"
+    (tmp_path / "mine.json").write_text('{"0": "cat", "1": "dog"}')
+    assert read_run_settings(str(weights), model="resnet18", img_size=32, class_indices=str(tmp_path / "mine.json")) == (
+        "resnet18", 32, ["cat", "dog"])
+
+
+def test_a_pt2_that_is_missing_or_not_a_program_is_one_line(tmp_path):
+    line = refusal(exported.load_program, str(tmp_path / "none.pt2"))
+    assert line.startswith(f"--weights {tmp_path / 'none.pt2'}: no such file") and "export.py" in line
+    (tmp_path / "text.pt2").write_text("not a program")
+    line = refusal(exported.load_program, str(tmp_path / "text.pt2"))
+    assert line.startswith(f"--weights {tmp_path / 'text.pt2'}: not a torch.export program")
+
+
+def test_weights_alone_are_not_a_checkpoint_to_resume(tmp_path):
+    path = tmp_path / "model-3.pth"
+    torch.save({"fc.weight": torch.zeros(2, 2)}, path)
+    line = refusal(load_checkpoint, str(path))
+    assert line.startswith(f"--resume {path}: not a full checkpoint (needs ['args', 'classes', 'epoch', 'model', 'optimizer'])")
+    assert "--weights" in line
+
+
+def test_curves_of_a_run_without_epochs_yet_are_refused(tmp_path):
+    (tmp_path / "metrics.csv").write_text("epoch,train_loss\n")
+    assert refusal(pictures.main, [str(tmp_path)]) == f"{tmp_path}/metrics.csv has no epochs yet"
+    assert not (tmp_path / "curves.png").exists()
+
+
+# --- Devices --------------------------------------------------------------------------------------------
+def test_a_device_that_is_not_there_is_named(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert refusal(distributed_utils.select_device, "mps").startswith("--device mps: no Apple GPU")
+    assert refusal(distributed_utils.select_device, "gpu0") == (
+        "--device gpu0: not a device; use auto, cpu, cuda, cuda:N or mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert refusal(distributed_utils.select_device, "cuda:2") == "--device cuda:2: only 2 GPU(s) visible (cuda:0 to cuda:1)"
+    assert distributed_utils.select_device("cuda:1", make_current=False) == torch.device("cuda", 1)
+    assert distributed_utils.select_device("cuda", local_rank=1, local_world_size=2, make_current=False) == torch.device("cuda", 1)
+
+
+# --- Label files and datasets ---------------------------------------------------------------------------
+def _label_file(tmp_path, lines):
+    for name in ("a.png", "b.png", "c.png", "d.png"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "train.csv")
+
+
+def test_a_label_file_skips_blank_lines_and_refuses_what_csv_cannot_read(tmp_path):
+    path = _label_file(tmp_path, ["path,label", "a.png,cat", "", "  ,  ", "b.png,cat", "c.png,dog", "", "d.png,dog"])
+    split = read_label_files(path, val_rate=0.5, seed=0)
+    assert sorted(split.train_images_label + split.val_images_label) == [0, 0, 1, 1]
+    assert split.classes == ["cat", "dog"] and len(split.val_images_path) == 2
+    line = refusal(read_label_files, path, val_rate=0.0)
+    assert line.startswith("--val-rate 0.0: the validation split of 4 images is empty") and "--val-list" in line
+    path = _label_file(tmp_path, ["path,label", "a.png," + "x" * 200_000, "b.png,dog"])
+    assert refusal(read_label_files, path).startswith(f"--train-list {path}: not a readable CSV file (")
+
+
+def test_a_dataset_with_labels_that_are_not_integers_or_that_is_empty_is_named():
+    good = [(torch.zeros(3, 4, 4, dtype=torch.uint8), 0), (torch.zeros(3, 4, 4, dtype=torch.uint8), 1)]
+
+    class Listed(list):
+        def __init__(self, items, targets):
+            super().__init__(items)
+            self.targets = targets
+
+    line = refusal(check_datasets, Datasets(Listed(good, ["cat", "dog"]), good, ["cat", "dog"]))
+    assert line == "my_dataset.build_datasets: the training dataset: its labels (targets) must be integers 0 to 1"
+    line = refusal(check_datasets, Datasets(good, [], ["cat", "dog"]))
+    assert line == "my_dataset.build_datasets: the validation dataset is empty"
+    line = refusal(check_datasets, Datasets(good, good, ["cat"]))
+    assert line.startswith("my_dataset.build_datasets: 1 class name(s) ['cat']; a classifier needs at least 2")
+    check_datasets(Datasets(Listed(good, [0, 1]), good, ["cat", "dog"]))  # what fits is taken
