@@ -217,3 +217,22 @@ def test_a_dataset_with_labels_that_are_not_integers_or_that_is_empty_is_named()
     line = refusal(check_datasets, Datasets(good, good, ["cat"]))
     assert line.startswith("my_dataset.build_datasets: 1 class name(s) ['cat']; a classifier needs at least 2")
     check_datasets(Datasets(Listed(good, [0, 1]), good, ["cat", "dog"]))  # what fits is taken
+
+
+@pytest.mark.parametrize("given, refused", [("0", True), ("1", True), ("2", False), ("3", True)])
+def test_num_classes_must_equal_the_datas_count_zero_included(given, refused, tmp_path):
+    import random
+
+    from conftest import write_class_folder
+    from multi_train_utils.inputs import load_data
+    from my_dataset import build_datasets
+
+    rng = random.Random(0)
+    for name in ("daisy", "roses"):
+        write_class_folder(str(tmp_path / "data"), name, 5, rng)
+    args = parse(False, "--data-path", str(tmp_path / "data"), "--num-classes", given, "--batch-size", "2")
+    if refused:
+        line = refusal(load_data, args, build_datasets)
+        assert line.startswith(f"--num-classes {given}: {tmp_path / 'data'} has 2 class folders (daisy, roses)"), line
+    else:
+        assert list(load_data(args, build_datasets).classes) == ["daisy", "roses"]
