@@ -474,20 +474,26 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
     assert f"best weights: {straight / 'model-best.pth'} ({source}, epoch {best_epoch})" in result.stdout
 
 
-def test_patience_stops_the_run_and_resume_auto_finds_it_complete(tiny_data, tmp_path):
+@pytest.mark.parametrize("launch", ["single", "torchrun"])
+def test_patience_stops_the_run_and_resume_auto_finds_it_complete(launch, tiny_data, tmp_path):
+    """Both scripts: under DDP every rank leaves the loop after the same epoch."""
     out = tmp_path / "out"
+    start = ([PYTHON, script("train_single.py")] if launch == "single" else
+             [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py")])
     # only the head trains (BatchNorm frozen too), at a rate too small to change any prediction:
     # no epoch after the first can be better
     flags = train_args(tiny_data, out, "--epochs", "5", "--workers", "0", "--patience", "1", "--lr", "1e-12",
                        "--opt", "adamw", "--freeze-layers")
-    first = run([PYTHON, script("train_single.py"), *flags])
+    first = run([*start, *flags])
     assert first.returncode == 0, first.stdout + first.stderr
     assert [r["epoch"] for r in read_metrics(out)] == ["0", "1"]
     checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
     assert checkpoint["epoch"] == 1 and checkpoint["stopped_early"].startswith(
         "stopped early after epoch 1: no better val accuracy for 1 epochs")
     assert checkpoint["stopped_early"] in first.stdout
-    again = run([PYTHON, script("train_single.py"), *flags, "--resume", "auto"])
+    if launch == "torchrun":
+        start[start.index("--master_port") + 1] = str(free_port())
+    again = run([*start, *flags, "--resume", "auto"])
     assert again.returncode == 0, again.stdout + again.stderr
     assert "the run is already complete (stopped early after epoch 1" in again.stdout
     assert "[train epoch" not in again.stdout and len(read_metrics(out)) == 2
