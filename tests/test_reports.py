@@ -158,3 +158,22 @@ def test_the_imbalance_warning_is_left_out_once_either_remedy_is_given(sampler, 
 
     args = argparse.Namespace(sampler=sampler, class_weights=class_weights)
     assert (imbalance_warning(args, [10, 3], ["a", "b"]) is not None) is warned
+
+
+def test_datasets_without_targets_get_their_class_count_and_the_split(capsys):
+    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path="v", sampler="shuffle",
+                              class_weights="none")
+    print_data_summary(args, argparse.Namespace(classes=names(3), train=[0] * 5, val=[0, 0], skipped=[]))
+    out = capsys.readouterr().out
+    assert "data: d + v (validation): 3 classes (images per class: give the datasets .targets)\n" in out
+    assert "split: 5 train, 2 val images\n" in out
+
+
+@pytest.mark.parametrize("left_out", [0, 1, 3])
+def test_validation_images_left_out_are_counted_once_before_the_last_line(capsys, left_out):
+    print_evaluation(EvalResult(torch.eye(2, dtype=torch.long) * 3, left_out=left_out), names(2))
+    lines = capsys.readouterr().out.strip().splitlines()
+    noted = [line for line in lines if line.startswith("left out:")]
+    assert noted == ([f"left out: {left_out} validation image(s) that could not be read (see the warnings)"]
+                     if left_out else [])
+    assert lines[-1] == "top1 accuracy: 1.000000 (6/6)"
