@@ -236,3 +236,20 @@ def test_num_classes_must_equal_the_datas_count_zero_included(given, refused, tm
         assert line.startswith(f"--num-classes {given}: {tmp_path / 'data'} has 2 class folders (daisy, roses)"), line
     else:
         assert list(load_data(args, build_datasets).classes) == ["daisy", "roses"]
+
+
+def test_more_processes_than_gpus_share_them_round_robin_under_gloo_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    select = distributed_utils.select_device
+    # no store to compare GPUs through: gloo shares them round robin, NCCL is refused
+    assert [select("cuda", r, 5, None, shared_gpu_ok=True, make_current=False).index for r in range(5)] == [0, 1, 0, 1, 0]
+    assert refusal(select, "cuda", 2, 3, None, make_current=False) == (
+        "3 processes per node but only 2 GPU(s) visible: use --nproc_per_node=2 or fewer")
+    # each process sees the same two GPUs: shared (gloo) or refused (NCCL), naming every rank that shares
+    peers = [{"local_rank": r, "gpus": ["uuid-a", "uuid-b"]} for r in range(3)]
+    assert [select("cuda", r, 3, peers, shared_gpu_ok=True, make_current=False).index for r in range(3)] == [0, 1, 0]
+    assert refusal(select, "cuda", 1, 3, peers, make_current=False).startswith("local ranks 0, 1, 2 of this node share GPU(s)")
+    # each its own GPU (SLURM's --gpus-per-task=1): its first visible one, under NCCL too
+    own = [{"local_rank": r, "gpus": [f"uuid-{r}", f"uuid-{r}b"]} for r in range(3)]
+    assert [select("cuda", r, 3, own, make_current=False).index for r in range(3)] == [0, 0, 0]
