@@ -253,3 +253,23 @@ def test_more_processes_than_gpus_share_them_round_robin_under_gloo_only(monkeyp
     # each its own GPU (SLURM's --gpus-per-task=1): its first visible one, under NCCL too
     own = [{"local_rank": r, "gpus": [f"uuid-{r}", f"uuid-{r}b"]} for r in range(3)]
     assert [select("cuda", r, 3, own, make_current=False).index for r in range(3)] == [0, 0, 0]
+
+
+def test_find_classes_lists_the_visible_sub_folders_sorted_first_and_last_included(tmp_path):
+    from utils import find_classes
+
+    for name in ("zebra", "Ant", "bee", ".cache", "mid dle"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    assert find_classes(str(tmp_path)) == ["Ant", "bee", "mid dle", "zebra"]
+    assert refusal(find_classes, str(tmp_path / "zebra")).startswith(f"--data-path {tmp_path / 'zebra'}: no class folders")
+
+
+@pytest.mark.parametrize("value, why", [("abc", "'abc' is not a number"), ("nan", "'nan' is not a finite number"),
+                                        ("inf", "'inf' is not a finite number")])
+def test_a_float_flag_that_is_not_a_finite_number_is_named(value, why, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse(False, "--data-path", "d", "--lr", value)
+    assert stopped.value.code == 2
+    assert f"argument --lr: {why}" in capsys.readouterr().err
+    assert parse(False, "--data-path", "d", "--lr", "1e-3").lr == pytest.approx(1e-3)
