@@ -87,3 +87,33 @@ def test_the_table_compares_each_mean_with_the_baselines_and_flags_ranges_that_d
     # ema_ tables: the EMA's values against the baseline's plain ones (the baseline has no EMA)
     assert measure.summary_table("ema_val_accuracy", configs, results, [0, 1, 2])[2:] == [
         "| whole | ema | 95.0 | 96.0 | 97.0 | 96.0 | 95.0-97.0 | +11.0 | beyond spread |"]
+
+
+def test_each_run_trains_with_its_configs_flags_over_the_base_flags(measure, tmp_path, monkeypatch):
+    """docs/recipe_digits.md: adamw is `--opt adamw --lr 0.001 --weight-decay 0.05` although every
+    run gets the base --lr 0.01; the flags the training script reads are what the table says."""
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    commands = []
+
+    def fake_run(command, cwd, stdout, stderr):
+        commands.append(command)
+        return types.SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(measure.subprocess, "run", fake_run)
+    args = argparse.Namespace(data_dir=str(tmp_path), batch_size=4, epochs=6, lr=0.01, threads=1)
+    configs = {name: flags for dataset, name, flags in measure.GRID if dataset == "whole"}
+    for name in ("baseline", "adamw"):
+        measure.run_one(("whole", name, configs[name], 3), args, str(tmp_path))
+    baseline, adamw = (parse_args(get_args_parser(False), command[2:]) for command in commands)
+    assert (baseline.opt, baseline.lr, baseline.seed, baseline.epochs) == ("sgd", 0.01, 3, 6)
+    assert (adamw.opt, adamw.lr, adamw.weight_decay, adamw.seed) == ("adamw", 0.001, 0.05, 3)
+
+
+def test_a_seed_that_scored_zero_counts_and_only_a_missing_one_is_left_out(measure):
+    results = {("whole", "x", 0): {"val_accuracy": "0.0"}, ("whole", "x", 1): {"val_accuracy": "0.5"},
+               ("whole", "x", 2): None}
+    values, stats = measure.seed_values(results, "whole", "x", "val_accuracy", [0, 1, 2])
+    assert values == [0.0, 0.5, None] and stats == (0.25, 0.0, 0.5)
+    zero = {("whole", "x", 0): {"val_accuracy": "0.0"}}
+    assert measure.seed_values(zero, "whole", "x", "val_accuracy", [0])[1] == (0.0, 0.0, 0.0)

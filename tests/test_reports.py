@@ -177,3 +177,34 @@ def test_validation_images_left_out_are_counted_once_before_the_last_line(capsys
     assert noted == ([f"left out: {left_out} validation image(s) that could not be read (see the warnings)"]
                      if left_out else [])
     assert lines[-1] == "top1 accuracy: 1.000000 (6/6)"
+
+
+@pytest.mark.parametrize("n, named, counted", [(30, True, True), (31, True, False), (50, True, False),
+                                               (51, False, False)])
+def test_the_confusion_matrix_names_classes_up_to_50_and_writes_counts_up_to_30(n, named, counted):
+    """docs/outputs.md: beyond 30 classes no numbers in the cells; beyond 50 no class names."""
+    from multi_train_utils.pictures import plot_confusion_matrix
+
+    fig = plot_confusion_matrix(torch.eye(n, dtype=torch.long) * 3, names(n))
+    ax = fig.axes[0]
+    x_names = [t.get_text() for t in ax.get_xticklabels()]
+    y_names = [t.get_text() for t in ax.get_yticklabels()]
+    if named:
+        assert x_names == names(n) and y_names == names(n)
+    else:
+        assert not set(names(n)) & set(x_names + y_names)
+    assert len(ax.texts) == (n * n if counted else 0)
+
+
+def test_more_than_20_classes_print_the_10_most_confused_pairs_largest_first(capsys):
+    n = 25
+    c = torch.eye(n, dtype=torch.long) * 20
+    for k in range(1, 16):  # 15 confused pairs: class k -> class 0, k images
+        c[k, 0] = k
+    print_evaluation(EvalResult(c), names(n))
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("most confused (true -> predicted: images):")
+    pairs = [line for line in lines[start + 1:] if "->" in line]
+    assert len(pairs) == 10
+    assert [line.split()[0] for line in pairs] == [f"class{k:02d}" for k in range(15, 5, -1)]
+    assert pairs[0].split()[-1] == "15" and pairs[-1].split()[-1] == "6"
