@@ -192,3 +192,20 @@ def test_torchruns_local_rank_wins_over_a_local_rank_flag(clean_env):
     assert read_dist_env(local_rank_arg=0).local_rank == 1
     clean_env.delenv("LOCAL_RANK")
     assert read_dist_env(local_rank_arg=1).local_rank == 1  # torch.distributed.launch's --local-rank=K
+
+
+@pytest.mark.parametrize("hosts, hinted", [(["node0", "node1"], False), (["node0", "node0"], True),
+                                           (["node0", "node0", "node1"], True)])
+def test_the_consumer_gpu_hint_counts_the_gpus_of_each_node_not_of_the_job(monkeypatch, hosts, hinted):
+    """docs/multi-gpu.md: consumer GPUs several to a node (P2P between them) get the hint; one a
+    node, on any number of nodes, does not."""
+    from test_readme_promises import node_facts
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    geforce = {"name": "NVIDIA GeForce RTX 4090", "uuid": "GPU-1"}
+    facts = {rank: node_facts(rank=rank, host=host, gpu=dict(geforce, uuid=f"GPU-{rank}"), device="cuda:0",
+                              cpus=list(range(8 * rank, 8 * rank + 8)))
+             for rank, host in enumerate(hosts)}
+    facts = doctor.with_shared_cores(facts, "nccl")
+    hinted_ranks = [rank for rank, f in facts.items() if any("consumer GPUs" in x["what"] for x in f["findings"])]
+    assert hinted_ranks == ([r for r, h in enumerate(hosts) if hosts.count(h) > 1] if hinted else [])
