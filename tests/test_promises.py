@@ -177,6 +177,12 @@ def test_seed_sets_the_data_order_of_both_scripts(single_run, ddp_run, seeded_ru
         for record in records:
             assert record["orders"]["0"] == distributed_sampler_order(36, seed, 0, record["rank"], 2)[:16]
     assert seeded_runs["ddp"][2][0]["orders"]["0"] != default_ddp[0]["orders"]["0"]
+    # the initial weights follow --seed too: the same in both scripts at one seed, others at another
+    same = pytest.approx(default_single["before_wrap"], rel=1e-9)  # a sum: its last digits follow the threads
+    assert default_ddp[0]["before_wrap"] == same and default_ddp[1]["before_wrap"] == same
+    seeded = seeded_runs["ddp"][2]
+    assert seeded[0]["before_wrap"] == pytest.approx(seeded[1]["before_wrap"], rel=1e-9)
+    assert abs(seeded[0]["before_wrap"] - default_single["before_wrap"]) > 1e-3 * abs(default_single["before_wrap"])
 
 
 def test_both_scripts_build_the_same_recipe_from_the_same_flags(tiny_data, seeded_runs):
