@@ -112,3 +112,31 @@ def test_demo_sets_its_rate_unless_lr_is_given(parse):
     assert parse("--demo", "--lr", "0.002").lr == 0.002
     assert parse().lr == 0.001
     assert math.isclose(parse("--lr", "0.002").lr, 0.002)
+
+
+# --- predict.py -----------------------------------------------------------------------------------------
+def test_predict_batch_size_changes_nothing_but_the_batches_and_overwrite_replaces_the_csv(single_run, tiny_data,
+                                                                                            tmp_path, capsys):
+    """The 7 validation images in batches of 2 (the last one short) and in one batch: the same
+    rows, each image's own; --overwrite replaces the CSV it wrote before."""
+    import csv
+
+    import predict
+
+    weights = f"{single_run['out']}/model-best.pth"
+    out = tmp_path / "predictions.csv"
+    common = ["--weights", weights, "--image", tiny_data["val"], "--output", str(out), "--workers", "0"]
+    predict.main(common + ["--batch-size", "2"])
+    with open(out, newline="") as f:
+        small = list(csv.reader(f))
+    out.write_text("mine")
+    with pytest.raises(Exception) as refused:
+        predict.main(common + ["--batch-size", "32"])
+    assert "--overwrite" in str(refused.value) and out.read_text() == "mine"
+    predict.main(common + ["--batch-size", "32", "--overwrite"])
+    with open(out, newline="") as f:
+        large = list(csv.reader(f))
+    assert len(small) == 8 and [row[:3] for row in small] == [row[:3] for row in large]
+    for a, b in zip(small[1:], large[1:]):
+        assert [float(x) for x in a[3:]] == pytest.approx([float(x) for x in b[3:]], abs=2e-6)
+    capsys.readouterr()
