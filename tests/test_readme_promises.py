@@ -1602,3 +1602,53 @@ def test_spawned_workers_die_with_their_launcher(monkeypatch):
     os.close(read_fd)
     os.waitpid(pid, 0)
     assert int(got) == signal.SIGKILL
+
+
+def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(monkeypatch, capsys):
+    """check_collectives of a 1-process job whose all-reduce never returns: within --timeout it
+    reports the hang with the step, exits 1 and leaves the stuck thread (os._exit)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from tools import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    release = threading.Event()
+
+    def hanging_collectives(state, store, env, device, backend, deadline, size_mb):
+        state.update(phase="all-reduce")
+        release.wait(60)  # a collective that never returns
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(doctor, "run_collectives", hanging_collectives)
+    monkeypatch.setattr(doctor.os, "_exit", fake_exit)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    store = doctor._Store(server, "test/hang/")
+    store.set("joined/0", node_facts())
+    args = doctor.get_args_parser().parse_args(["--timeout", "2"])
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exited) as exited:
+            doctor.check_collectives(args, DistEnv(rank=0, world_size=1, launcher="env"), torch.device("cpu"),
+                                     "gloo", store)
+    finally:
+        release.set()
+    assert exited.value.args == (1,)
+    assert time.monotonic() - start < 2 + 3 + 5  # --timeout, rank 0's grace for late results, a busy machine
+    out = capsys.readouterr().out
+    assert "problem: the all-reduce did not finish within 2 s on rank 0 (a hang)\n" in out, out
+    assert out.rstrip().endswith("1 problem found")
+    del server
