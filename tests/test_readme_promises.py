@@ -1621,7 +1621,7 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
 
     def hanging_collectives(state, store, env, device, backend, deadline, size_mb):
         state.update(phase="all-reduce")
-        release.wait(60)  # a collective that never returns
+        release.wait(15)  # a collective that does not return within --timeout
 
     class Exited(Exception):
         pass
