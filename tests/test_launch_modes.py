@@ -28,6 +28,7 @@ def test_python_train_single(single_run):
     assert "broken.jpg: not a readable image" in stdout
     assert ".hidden" not in stdout and "notes.txt" not in stdout
     assert f"({CORES} threads)" in stdout  # one process gets all the cores
+    assert (single_run["probe"]["loader_workers"], single_run["probe"]["threads"]) == (1, CORES)  # --workers 1
     assert f"loader workers per process, JPEGs decoded by {images.JPEG_DECODER}" in stdout
     assert_default_precision(stdout, [single_run["probe"]])  # the fast defaults, printed and used
     # TensorBoard events from rank 0
@@ -43,6 +44,7 @@ def test_torchrun_two_processes(ddp_run):
     assert "batch: 4 per process x 1 accumulation steps x 2 processes = 8 per optimizer step" in stdout
     assert "lr: 0.002" in stdout  # 0.001 scaled by the world size
     assert f"({max(1, CORES // 2)} threads)" in stdout  # the cores shared by 2 processes
+    assert [(r["loader_workers"], r["threads"]) for r in ddp_run["probe"]] == [(0, max(1, CORES // 2))] * 2
     assert len(glob.glob(ddp_run["out"] + "-tb/*")) == 1  # one TensorBoard writer
 
 

@@ -11,7 +11,8 @@ Environment:
                   (BatchNorm statistics) each evaluation used, a hash of all the weights
                   each evaluation used (the model's, and the EMA's with --model-ema), the training steps run,
                   the training loss's label smoothing and class weights and whether its targets were soft,
-                  whether the trained model has SyncBatchNorm, and the device of its weights
+                  whether the trained model has SyncBatchNorm, the device of its weights, and the
+                  training loader's workers and torch's threads in the first epoch
   PROBE_PERTURB   "1": add noise to the weights of ranks other than 0 before the DDP wrap,
                   so that identical weights afterwards prove DDP's broadcast
   PROBE_BN_EVAL   "1": keep every BatchNorm in eval mode while training (batch-size
@@ -148,6 +149,7 @@ def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
         record["after_wrap"] = checksum(model)
         record["sync_bn"] = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
         record["device"] = str(next(model.parameters()).device)
+        record["loader_workers"], record["threads"] = data_loader.num_workers, torch.get_num_threads()
     remove_epoch, _, remove_path = os.environ.get("PROBE_REMOVE_AT_EPOCH", "").partition(":")
     if remove_path and epoch == int(remove_epoch) and rank == 0:
         os.remove(remove_path)
