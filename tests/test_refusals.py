@@ -273,3 +273,16 @@ def test_a_float_flag_that_is_not_a_finite_number_is_named(value, why, capsys):
     assert stopped.value.code == 2
     assert f"argument --lr: {why}" in capsys.readouterr().err
     assert parse(False, "--data-path", "d", "--lr", "1e-3").lr == pytest.approx(1e-3)
+
+
+def test_the_doctor_refuses_nccl_without_gpus_and_a_backend_not_built_in(monkeypatch):
+    from conftest import LAUNCHER_VARIABLES
+    from tools import doctor
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert refusal(doctor.main, ["--device", "cpu", "--backend", "nccl"]) == (
+        "--backend nccl needs CUDA GPUs, but the device is cpu; use gloo")
+    monkeypatch.setattr(doctor.dist, "is_backend_available", lambda backend: backend != "gloo")
+    assert refusal(doctor.main, ["--device", "cpu", "--backend", "gloo"]) == (
+        "--backend gloo: not built into this torch; use gloo or nccl")
