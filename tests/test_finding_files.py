@@ -50,3 +50,20 @@ def test_broken_links_and_loops_are_named_with_why_and_left_out(tmp_path):
     assert found.problems.get(str(cls / "broken_folder")) == "cannot be read (a broken symbolic link)"
     assert found.problems.get(str(cls / "loop"), "").startswith("a symbolic link loop (it leads back to")
     assert len(found.problems) == 3
+
+
+def test_entries_of_the_validation_folder_that_cannot_be_followed_are_named_too(tmp_path):
+    """read_split_data with --val-path: a broken link at the top of either folder is skipped
+    with why, as one inside a class folder is."""
+    from utils import read_split_data
+
+    for root in ("train", "val"):
+        for name in ("cat", "dog"):
+            touch(str(tmp_path / root / name / "a.jpg"))
+            touch(str(tmp_path / root / name / "b.jpg"))
+    os.symlink(tmp_path / "gone", tmp_path / "val" / "broken")
+    os.symlink(tmp_path / "gone", tmp_path / "train" / "dog" / "broken.jpg")
+    split = read_split_data(str(tmp_path / "train"), val_root=str(tmp_path / "val"))
+    assert split.classes == ["cat", "dog"] and len(split.val_images_path) == 4
+    assert split.skip_reasons == {str(tmp_path / "val" / "broken"): "cannot be read (a broken symbolic link)",
+                                  str(tmp_path / "train" / "dog" / "broken.jpg"): "cannot be read (a broken symbolic link)"}
