@@ -221,6 +221,14 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
     with pytest.raises(ValueError, match="^a bug$"):
         with fresh.explain_faults():
             raise ValueError("a bug")
+    # resumed from a checkpoint of another folder: nothing of this run's folder is intact yet
+    elsewhere = tmp_path / "elsewhere" / "checkpoint.pth"
+    moved = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False, checkpoint=state(3),
+                        resume_path=str(elsewhere))
+    with pytest.raises(ResourceError) as raised:
+        with moved.explain_faults():
+            raise ResourceError("disk full: could not write x (No space left on device); free space on that disk")
+    assert str(raised.value).endswith("free space on that disk; no checkpoint was written yet")
 
 
 # --- Flags ------------------------------------------------------------------------------------

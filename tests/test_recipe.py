@@ -254,6 +254,18 @@ def test_resume_refuses_another_optimizer_parameter_groups_ema_or_best_metric():
         assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
 
 
+@pytest.mark.parametrize("classes", [CLASSES[::-1], CLASSES[:-1] + ["zinnia"], CLASSES[:-1], CLASSES + ["zinnia"]])
+def test_resume_refuses_other_classes_of_the_same_count_or_order_too(classes):
+    from multi_train_utils.checkpoint import check_resume_compatible
+    from multi_train_utils.errors import UserError
+
+    saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
+    with pytest.raises(UserError) as error:
+        check_resume_compatible(saved, "ckpt", recipe_args(), classes, 4)
+    assert str(error.value).startswith(f"--resume ckpt: trained on classes {CLASSES}, but --data-path has {classes}")
+    check_resume_compatible(saved, "ckpt", recipe_args(), list(CLASSES), 4)
+
+
 # --- Augmentation ----------------------------------------------------------------------------
 
 def test_auto_augment_random_erase_and_val_resize_size_reach_the_transforms():
