@@ -140,3 +140,32 @@ def test_predict_batch_size_changes_nothing_but_the_batches_and_overwrite_replac
     for a, b in zip(small[1:], large[1:]):
         assert [float(x) for x in a[3:]] == pytest.approx([float(x) for x in b[3:]], abs=2e-6)
     capsys.readouterr()
+
+
+def test_the_process_group_gets_the_backend_of_the_device_and_the_dist_flags(monkeypatch):
+    """NCCL for a CUDA device, gloo otherwise (a CPU run on a machine with GPUs included);
+    --dist-backend, --dist-url and --dist-timeout reach init_process_group. Mocked group."""
+    from datetime import timedelta
+
+    from multi_train_utils import distributed_utils
+    from multi_train_utils.distributed_utils import DistEnv, init_distributed_mode
+
+    calls = []
+    monkeypatch.setattr(distributed_utils, "_JOB", None)  # restored after the test: the job this sets
+    monkeypatch.setattr(distributed_utils.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(distributed_utils.dist, "is_backend_available", lambda backend: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parser = get_args_parser(True)
+    env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launcher="torchrun")
+    store = object()
+    assert init_distributed_mode(parse_args(parser, ["--data-path", "d"]), env, torch.device("cpu"), store) == "gloo"
+    assert init_distributed_mode(parse_args(parser, ["--data-path", "d", "--dist-timeout", "77"]), env,
+                                 torch.device("cuda", 1), store) == "nccl"
+    args = parse_args(parser, ["--data-path", "d", "--dist-backend", "gloo", "--dist-url", "tcp://10.0.0.1:23456"])
+    assert init_distributed_mode(args, env, torch.device("cuda", 1), None) == "gloo"
+    assert [(c["backend"], c["device_id"], c["rank"], c["world_size"]) for c in calls] == [
+        ("gloo", None, 1, 2), ("nccl", torch.device("cuda", 1), 1, 2), ("gloo", None, 1, 2)]
+    assert (calls[0]["store"], calls[0]["init_method"]) == (store, None)
+    assert (calls[2]["store"], calls[2]["init_method"]) == (None, "tcp://10.0.0.1:23456")
+    assert calls[1]["timeout"] == timedelta(seconds=77)
+    assert init_distributed_mode(args, DistEnv(), torch.device("cpu"), None) is None and len(calls) == 3
