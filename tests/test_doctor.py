@@ -214,3 +214,31 @@ def test_findings_across_ranks_one_gpu_twice_a_hang_a_silent_rank():
     assert [f["what"] for f in found] == ["ranks 0-1: the process group did not start: Unable to find address "
                                          "for: nosuch0"]
     assert exit_code([]) == 0 and exit_code([{"kind": "hint", "what": "", "fix": ""}]) == 0
+
+
+def test_the_node_lists_the_variables_that_decide_the_rendezvous_and_judges_shm_by_its_size(tmp_path, monkeypatch):
+    """docs/multi-gpu.md: NCCL_*, GLOO_*, TORCH_NCCL*, TORCH_DISTRIBUTED*, MASTER_* and
+    CUDA_VISIBLE_DEVICES, each that is set, and no other; /dev/shm under 1 GiB in size is a
+    problem, a large one mostly in use is not."""
+    import argparse
+
+    import torch
+
+    from tools import doctor
+    from multi_train_utils.distributed_utils import DistEnv
+
+    wanted = {"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "lo", "TORCH_NCCL_BLOCKING_WAIT": "1",
+              "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "MASTER_ADDR": "127.0.0.1", "CUDA_VISIBLE_DEVICES": "1,0"}
+    for name in list(os.environ):
+        if name.startswith(doctor.VARIABLE_PREFIXES):
+            monkeypatch.delenv(name)
+    for name, value in {**wanted, "CUDA_HOME": "/usr/local/cuda", "MY_NCCL_NOTE": "x", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(doctor, "_shm_size", lambda: (64 << 30, 512 << 20))  # 64 GiB, 512 MiB of it free
+    args = argparse.Namespace(output_dir=str(tmp_path))
+    facts = doctor.local_facts(args, DistEnv(), torch.device("cpu"), "gloo")
+    assert facts["variables"] == wanted
+    assert not any("/dev/shm" in f["what"] for f in facts["findings"])
+    monkeypatch.setattr(doctor, "_shm_size", lambda: (64 << 20, 64 << 20))  # Docker's default
+    facts = doctor.local_facts(args, DistEnv(), torch.device("cpu"), "gloo")
+    assert [f["what"].split(":")[0] for f in facts["findings"] if "/dev/shm" in f["what"]] == ["/dev/shm is only 64 MiB"]
