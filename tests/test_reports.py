@@ -208,3 +208,19 @@ def test_more_than_20_classes_print_the_10_most_confused_pairs_largest_first(cap
     assert len(pairs) == 10
     assert [line.split()[0] for line in pairs] == [f"class{k:02d}" for k in range(15, 5, -1)]
     assert pairs[0].split()[-1] == "15" and pairs[-1].split()[-1] == "6"
+
+
+def test_most_confused_png_shows_the_20_largest_cells(tmp_path):
+    """docs/outputs.md: most_confused.png holds the 20 largest off-diagonal cells (the printed
+    report, 10); 25 confused pairs here, the 20 largest drawn, largest first."""
+    from multi_train_utils.pictures import plot_most_confused
+
+    n = 26
+    c = torch.eye(n, dtype=torch.long) * 50
+    for k in range(1, 26):
+        c[k, 0] = k
+    assert len(most_confused_pairs(c)) == 20
+    ax = plot_most_confused(c, names(n)).axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [f"class{k:02d} -> class00" for k in range(25, 5, -1)]
+    assert ax.get_title().endswith("the 20 most-confused pairs of classes")

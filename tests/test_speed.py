@@ -435,3 +435,22 @@ def test_the_tutorial_rows_time_exactly_the_steps_whose_images_they_count(monkey
                                            torch.device("cpu"))
     assert (timed["images"], timed["steps"]) == (3 * steps, steps)
     assert rate == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("device, efficiencies", [("cpu", [1.0, 1.8, 2.0]), ("cuda", [1.0, 0.9, 0.5])])
+def test_scaling_efficiency_is_against_k_gpus_or_the_same_shared_cores(monkeypatch, device, efficiencies):
+    """GPUs: k processes bring k GPUs, ideal is k x one process; CPUs: the k processes share
+    the same cores, ideal is one process's rate. Each row's processes, threads and GPUs."""
+    import benchmark
+
+    rates = {1: 100.0, 2: 180.0, 4: 200.0}
+    monkeypatch.setattr(benchmark, "measure_scaling", lambda args, data, k, dev: (rates[k], {"images": k}))
+    monkeypatch.setattr(benchmark, "cpu_cores_available", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    timed = {}
+    rows = benchmark.scaling_rows(argparse.Namespace(max_processes=None), "d", torch.device(device), 100, timed)
+    assert [r["processes"] for r in rows] == [1, 2, 4]
+    assert [r["efficiency"] for r in rows] == pytest.approx(efficiencies)
+    assert [r["gpus"] for r in rows] == ([0, 0, 0] if device == "cpu" else [1, 2, 4])
+    assert [r["threads_per_process"] for r in rows] == ([4, 2, 1] if device == "cpu" else [None] * 3)
+    assert timed == {"scaling x1": {"images": 1}, "scaling x2": {"images": 2}, "scaling x4": {"images": 4}}
