@@ -117,3 +117,24 @@ def test_a_seed_that_scored_zero_counts_and_only_a_missing_one_is_left_out(measu
     assert values == [0.0, 0.5, None] and stats == (0.25, 0.0, 0.5)
     zero = {("whole", "x", 0): {"val_accuracy": "0.0"}}
     assert measure.seed_values(zero, "whole", "x", "val_accuracy", [0])[1] == (0.0, 0.0, 0.0)
+
+
+def test_the_report_counts_cpu_minutes_as_wall_time_times_threads_for_the_configs_chosen(measure, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """main() with the runs replaced: --only adamw, 2 seeds, --threads 3, 2 at a time, 30 s a
+    run: 2 runs, 3.0 CPU-minutes; the table holds those seeds' values."""
+    def fake_run(job, args, work_dir):
+        dataset, name, flags, seed = job
+        return job, 30.0, {"val_accuracy": str(0.5 + seed / 10)}, None
+
+    monkeypatch.setattr(measure, "write_digits", lambda data_dir: None)
+    monkeypatch.setattr(measure, "run_one", fake_run)
+    out = tmp_path / "report.md"
+    monkeypatch.setattr(sys, "argv", ["measure_recipe.py", "--only", "adamw", "--seeds", "0,1", "--threads", "3",
+                                      "--parallel", "2", "--work-dir", str(tmp_path / "w"), "--out", str(out)])
+    measure.main()
+    text = out.read_text()
+    assert "\n2 runs: 3.0 CPU-minutes (run wall time x threads), " in "\n" + text
+    assert "- whole adamw: `--opt adamw --lr 0.001 --weight-decay 0.05`" in text
+    assert "| whole | adamw | 50.0 | 60.0 | 55.0 | 50.0-60.0 |" in text
+    capsys.readouterr()
