@@ -454,3 +454,33 @@ def test_scaling_efficiency_is_against_k_gpus_or_the_same_shared_cores(monkeypat
     assert [r["gpus"] for r in rows] == ([0, 0, 0] if device == "cpu" else [1, 2, 4])
     assert [r["threads_per_process"] for r in rows] == ([4, 2, 1] if device == "cpu" else [None] * 3)
     assert timed == {"scaling x1": {"images": 1}, "scaling x2": {"images": 2}, "scaling x4": {"images": 4}}
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"--model": "resnet34", "--img-size": "224", "--batch-size": "16", "--amp": "auto"}),
+    (["--model", "resnet18", "--img-size", "40", "--batch-size", "3", "--amp", "off", "--no-channels-last",
+      "--workers", "2", "--compile"],
+     {"--model": "resnet18", "--img-size": "40", "--batch-size": "3", "--amp": "off", "--workers": "2"})])
+def test_the_scaling_rows_run_the_training_script_with_the_benchmarks_flags(monkeypatch, tmp_path, flags, expected):
+    """benchmark.py's flags reach the torchrun command of each scaling row (run replaced)."""
+    import types
+
+    import benchmark
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        out = cmd[cmd.index("--output-dir") + 1]
+        with open(os.path.join(out, "metrics.csv"), "w") as f:
+            f.write("epoch,images_per_second\n0,10\n1,12.5\n")
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(benchmark.subprocess, "run", fake_run)
+    args = benchmark.get_args_parser().parse_args(flags)
+    rate, timed = benchmark.measure_scaling(args, str(tmp_path), 2, torch.device("cpu"))
+    cmd = commands[0]
+    assert rate == 12.5 and "--nproc_per_node=2" in cmd and cmd[cmd.index("--data-path") + 1] == str(tmp_path)
+    assert {flag: cmd[cmd.index(flag) + 1] for flag in expected} == expected
+    assert ("--no-channels-last" in cmd, "--compile" in cmd, "--workers" in cmd) == (
+        ("--no-channels-last" in flags,) * 2 + ("--workers" in flags,))
