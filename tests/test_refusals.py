@@ -286,3 +286,88 @@ def test_the_doctor_refuses_nccl_without_gpus_and_a_backend_not_built_in(monkeyp
     monkeypatch.setattr(doctor.dist, "is_backend_available", lambda backend: backend != "gloo")
     assert refusal(doctor.main, ["--device", "cpu", "--backend", "gloo"]) == (
         "--backend gloo: not built into this torch; use gloo or nccl")
+
+
+# --- Archives, the doctor's folder, the benchmark's process counts ----------------------------------
+def test_an_archive_that_is_not_one_folder_of_classes_is_refused_and_leaves_nothing(tmp_path):
+    import tarfile
+
+    from multi_train_utils.example_data import extract_dataset
+
+    for name in ("one", "two"):
+        (tmp_path / "src" / name / "daisy").mkdir(parents=True)
+    two_tops = tmp_path / "two.tgz"
+    with tarfile.open(two_tops, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "one", arcname="one")
+        tar.add(tmp_path / "src" / "two", arcname="two")
+    (tmp_path / "data").mkdir()
+    root = tmp_path / "data" / "flower_photos"
+    assert refusal(extract_dataset, str(two_tops), str(root)) == "--download: the archive holds 2 top folders, expected one"
+    (tmp_path / "cut.tgz").write_bytes(two_tops.read_bytes()[:40])
+    assert refusal(extract_dataset, str(tmp_path / "cut.tgz"), str(root)).startswith(
+        "--download: the archive cannot be extracted (")
+    assert os.listdir(tmp_path / "data") == []  # no half-extracted folder left beside it
+
+
+def test_the_doctor_refuses_an_output_dir_that_is_a_file(tmp_path):
+    from tools import doctor
+
+    (tmp_path / "f").write_text("mine")
+    args = doctor.get_args_parser().parse_args(["--output-dir", str(tmp_path / "f")])
+    assert refusal(doctor.check_args, args) == f"--output-dir {tmp_path / 'f'}: a file, not a folder"
+    doctor.check_args(doctor.get_args_parser().parse_args(["--output-dir", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("max_processes, counts", [(None, [1, 2, 4, 6]), (2, [1, 2]), (3, [1, 2, 3]), (1, [1])])
+def test_the_benchmark_scales_up_to_max_processes_or_the_cores(monkeypatch, max_processes, counts):
+    import argparse
+
+    import benchmark
+
+    monkeypatch.setattr(benchmark, "cpu_cores_available", lambda: 6)
+    monkeypatch.setattr(benchmark, "measure_scaling", lambda args, data, k, dev: (10.0 * k, {}))
+    rows = benchmark.scaling_rows(argparse.Namespace(max_processes=max_processes), "d", torch.device("cpu"), 1000, {})
+    assert [r["processes"] for r in rows] == counts
+
+
+# --- A resume whose states do not fit --------------------------------------------------------------------
+def test_a_checkpoint_whose_optimizer_or_ema_does_not_fit_is_one_line_and_changes_nothing():
+    from multi_train_utils.checkpoint import TrainState, restore_training_state
+    from multi_train_utils.ema import ModelEma
+
+    def state_of(net, ema=False):
+        return TrainState(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                          ema=ModelEma(net, 0.9) if ema else None)
+
+    other = state_of(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 4)), ema=True)
+    saved = {"optimizer": other.optimizer.state_dict(), "model_ema": other.ema.state_dict(), "epoch": 4,
+             "rng": {}, "best_value": None}
+    mine = state_of(nn.Linear(2, 2))
+    line = refusal(restore_training_state, mine, saved)
+    assert line.startswith("--resume: the checkpoint's optimizer state does not fit this model (")
+    assert mine.epoch == 0
+    mine = state_of(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 5)), ema=True)  # the same parameter count
+    line = refusal(restore_training_state, mine, saved)
+    assert line.startswith("--resume: the checkpoint's EMA weights do not fit this model (") and line.endswith(
+        "resume from another checkpoint, or start over with --overwrite")
+    assert mine.epoch == 0 and mine.ema.updates == 0
+
+
+def test_the_data_a_run_cannot_use_is_one_line_naming_why(tmp_path):
+    from multi_train_utils.inputs import load_data
+
+    def missing(args):
+        raise FileNotFoundError(2, "No such file or directory", "/data/gone")
+
+    args = parse(False, "--data-path", str(tmp_path), "--batch-size", "1")
+    line = refusal(load_data, args, missing)
+    assert line.startswith("my_dataset.build_datasets: [Errno 2] No such file or directory: '/data/gone'")
+    assert line.endswith("check --data-path (or where your datasets read)")
+    two = [(torch.zeros(3, 4, 4, dtype=torch.uint8), 0), (torch.zeros(3, 4, 4, dtype=torch.uint8), 1)]
+    tiny = lambda args: Datasets(two, two, ["cat", "dog"])  # noqa: E731
+    assert refusal(load_data, args, tiny, world_size=3) == (
+        "3 processes but only 2 training images; start fewer processes or add images")
+    assert list(load_data(args, tiny, world_size=2).classes) == ["cat", "dog"]  # one image each: taken
+    line = refusal(load_data, parse(False, "--data-path", str(tmp_path), "--batch-size", "2"), tiny, world_size=2)
+    assert line == ("--batch-size 2: each of the 2 process(es) gets only 1 of the 2 training images; "
+                    "use --batch-size 1 or less")
