@@ -371,3 +371,41 @@ def test_the_data_a_run_cannot_use_is_one_line_naming_why(tmp_path):
     line = refusal(load_data, parse(False, "--data-path", str(tmp_path), "--batch-size", "2"), tiny, world_size=2)
     assert line == ("--batch-size 2: each of the 2 process(es) gets only 1 of the 2 training images; "
                     "use --batch-size 1 or less")
+
+
+@pytest.mark.parametrize("readable", [0, 1])
+def test_a_validation_where_no_image_could_be_read_stops_the_run_in_one_line(readable):
+    """All images left out (labelled -1): the data is likely gone, a MidRunError; one image
+    read is a result, the others counted as left out."""
+    from multi_train_utils.errors import MidRunError
+    from multi_train_utils.train_eval_utils import evaluate
+    from my_dataset import LEFT_OUT
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    labels = [LEFT_OUT] * 3 + [1] * readable
+    batches = [(torch.zeros(len(labels), 3, 4, 4, dtype=torch.uint8), torch.tensor(labels))]
+    if readable:
+        result = evaluate(net, batches, torch.device("cpu"), 2)
+        assert (result.total, result.left_out) == (1, 3)
+    else:
+        with pytest.raises(MidRunError) as stopped:
+            evaluate(net, batches, torch.device("cpu"), 2)
+        assert str(stopped.value).startswith("none of the 3 validation images could be read: is the data still there")
+
+
+@pytest.mark.parametrize("distributed", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_eval_only_names_a_data_folder_of_the_run_that_is_gone_and_takes_one_given(distributed, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model-best.pth").write_bytes(b"")
+    (tmp_path / "train").mkdir()
+    (run / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 64, "data_path": str(tmp_path / "train"),
+                                               "val_path": str(tmp_path / "gone")}))
+    weights = str(run / "model-best.pth")
+    line = refusal(parse, distributed, "--eval-only", "--weights", weights)
+    assert line == (f"--val-path {tmp_path / 'gone'} (from {run / 'args.json'}) is not there any more; give --val-path")
+    (tmp_path / "mine").mkdir()
+    args = parse(distributed, "--eval-only", "--weights", weights, "--data-path", str(tmp_path / "mine"))
+    assert (args.data_path, args.val_path, args.model, args.img_size) == (str(tmp_path / "mine"), None, "resnet18", 64)
