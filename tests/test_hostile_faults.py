@@ -394,3 +394,21 @@ def test_a_checkpoint_with_a_field_of_the_wrong_kind_is_named_and_resume_auto_fa
     error = error_of(ckpt.restore_training_state, ckpt.TrainState(None, optimizer),
                      dict(state(1), optimizer=optimizer.state_dict(), rng={"torch": "seed"}))
     assert str(error).startswith("--resume: the checkpoint's random generator states cannot be restored"), error
+
+
+@pytest.mark.parametrize("error, line", [
+    (RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/3: "
+                  "No space left on device"),
+     "disk full: could not write a file (No space left on device); free space on that disk"),
+    (OSError(122, "Disk quota exceeded", "/runs/x/checkpoint.pth"),
+     "disk full: could not write /runs/x/checkpoint.pth (Disk quota exceeded); free space on that disk"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.10 GiB total capacity)"),
+     "out of memory: could not allocate a block of 20.00 GiB; use a smaller --batch-size or --img-size"),
+    (MemoryError(), "out of memory: could not allocate a block; use a smaller --batch-size or --img-size"),
+])
+def test_a_full_disk_or_exhausted_memory_is_named_whatever_raised_it(error, line):
+    from multi_train_utils.errors import resource_error
+
+    found = resource_error(error)
+    assert found is not None and str(found).startswith(line), found
+    assert resource_error(ValueError("a bug")) is None and resource_error(OSError(2, "No such file")) is None
