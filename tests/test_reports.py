@@ -224,3 +224,12 @@ def test_most_confused_png_shows_the_20_largest_cells(tmp_path):
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == [f"class{k:02d} -> class00" for k in range(25, 5, -1)]
     assert ax.get_title().endswith("the 20 most-confused pairs of classes")
+
+
+def test_the_device_is_described_with_its_gpu_name_or_its_threads(monkeypatch):
+    from multi_train_utils.summary import describe_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"NVIDIA H200 #{torch.device(device).index}")
+    assert describe_device(torch.device("cuda", 1)) == "cuda:1 (NVIDIA H200 #1)"
+    assert describe_device(torch.device("cpu")) == f"cpu ({torch.get_num_threads()} threads)"
+    assert describe_device(torch.device("mps")) == "mps"
