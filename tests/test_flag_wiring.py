@@ -177,3 +177,24 @@ def test_the_process_group_gets_the_backend_of_the_device_and_the_dist_flags(mon
     assert (calls[2]["store"], calls[2]["init_method"]) == (None, "tcp://10.0.0.1:23456")
     assert calls[1]["timeout"] == timedelta(seconds=77)
     assert init_distributed_mode(args, DistEnv(), torch.device("cpu"), None) is None and len(calls) == 3
+
+
+# --- export.py ------------------------------------------------------------------------------------------
+def test_export_records_the_flags_it_was_given_over_the_runs_files(single_run, tmp_path, capsys):
+    """--class-indices, --img-size and --val-resize-size given to export.py are what the .pt2's
+    run.json holds (the run's own files say otherwise); the model is the run's."""
+    import json
+
+    import export
+    from conftest import MODEL
+    from multi_train_utils.exported import load_program
+
+    names = ["A", "B", "C", "D", "E"]
+    (tmp_path / "mine.json").write_text(json.dumps({str(i): n for i, n in enumerate(names)}))
+    out = tmp_path / "m.pt2"
+    export.main(["--weights", f"{single_run['out']}/model-best.pth", "--class-indices", str(tmp_path / "mine.json"),
+                 "--img-size", "40", "--val-resize-size", "44", "--output", str(out)])
+    model, run = load_program(str(out))
+    assert (run["classes"], run["img_size"], run["val_resize_size"], run["model"]) == (names, 40, 44, MODEL)
+    assert model(torch.zeros(2, 3, 40, 40)).shape == (2, 5)
+    capsys.readouterr()
