@@ -409,3 +409,21 @@ def test_eval_only_names_a_data_folder_of_the_run_that_is_gone_and_takes_one_giv
     (tmp_path / "mine").mkdir()
     args = parse(distributed, "--eval-only", "--weights", weights, "--data-path", str(tmp_path / "mine"))
     assert (args.data_path, args.val_path, args.model, args.img_size) == (str(tmp_path / "mine"), None, "resnet18", 64)
+
+
+@pytest.mark.parametrize("distributed", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_a_balancing_flag_on_a_dataset_without_targets_names_the_flag(distributed):
+    from multi_train_utils.balance import loss_class_weights, make_train_sampler
+
+    items = [(torch.zeros(3, 2, 2), 0)] * 3
+    line = refusal(make_train_sampler, parse(distributed, "--data-path", "d", "--sampler", "balanced"), items, 1, 0)
+    assert line.startswith("--sampler balanced: the training dataset has no .targets") and "leave the flag out" in line
+    line = refusal(loss_class_weights, parse(distributed, "--data-path", "d", "--class-weights", "balanced"), items, 2)
+    assert line.startswith("--class-weights balanced: the training dataset has no .targets")
+
+    class Targeted(list):
+        targets = [0, 1, 1]
+
+    weights = loss_class_weights(parse(distributed, "--data-path", "d", "--class-weights", "balanced"), Targeted(items), 2)
+    assert weights.tolist() == pytest.approx([1.5, 0.75])  # n / (classes x count): 3 / (2 x 1), 3 / (2 x 2)
+    assert loss_class_weights(parse(distributed, "--data-path", "d"), items, 2) is None
