@@ -427,3 +427,31 @@ def test_a_balancing_flag_on_a_dataset_without_targets_names_the_flag(distribute
     weights = loss_class_weights(parse(distributed, "--data-path", "d", "--class-weights", "balanced"), Targeted(items), 2)
     assert weights.tolist() == pytest.approx([1.5, 0.75])  # n / (classes x count): 3 / (2 x 1), 3 / (2 x 2)
     assert loss_class_weights(parse(distributed, "--data-path", "d"), items, 2) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_contract_takes_uint8_or_any_float_images(dtype):
+    """my_dataset.py's contract: a uint8 CHW image, or a float one in [0, 1], of any float dtype."""
+    value = 255 if dtype == torch.uint8 else 1.0
+    items = [(torch.full((3, 4, 4), value, dtype=dtype), 0), (torch.zeros(3, 4, 4, dtype=dtype), 1)]
+    check_datasets(Datasets(items, items, ["cat", "dog"]))
+    if dtype != torch.uint8:  # above 1: refused, naming the value
+        high = [(torch.full((3, 4, 4), 2.0, dtype=dtype), 0)] + items[1:]
+        assert "float with values up to 2" in refusal(check_datasets, Datasets(high, items, ["cat", "dog"]))
+
+
+def test_check_images_skips_unreadable_files_of_both_label_files(tmp_path):
+    from PIL import Image
+
+    for name in ("a", "b", "c", "d"):
+        Image.new("RGB", (4, 4)).save(tmp_path / f"{name}.png")
+    (tmp_path / "bad_train.png").write_bytes(b"not an image")
+    (tmp_path / "bad_val.png").write_bytes(b"not an image")
+    (tmp_path / "train.csv").write_text("path,label\na.png,cat\nb.png,dog\nbad_train.png,dog\n")
+    (tmp_path / "val.csv").write_text("path,label\nc.png,cat\nbad_val.png,cat\nd.png,dog\n")
+    split = read_label_files(str(tmp_path / "train.csv"), str(tmp_path / "val.csv"), check_images=True)
+    assert [os.path.basename(p) for p in split.train_images_path] == ["a.png", "b.png"]
+    assert [os.path.basename(p) for p in split.val_images_path] == ["c.png", "d.png"]
+    assert sorted(os.path.basename(p) for p in split.skipped) == ["bad_train.png", "bad_val.png"]
+    unchecked = read_label_files(str(tmp_path / "train.csv"), str(tmp_path / "val.csv"))
+    assert len(unchecked.val_images_path) == 3 and unchecked.skipped == []  # without it, nothing is opened
