@@ -131,3 +131,21 @@ def test_large_validation_jpegs_keep_the_resize_size_and_training_ones_twice_the
                       val_images_label=[0], classes=["x"], skipped=[], skip_reasons={}, notes=[])
     data = image_file_datasets(split, 32, {"val_resize_size": val_resize_size})
     assert (data.train.keep_side, data.val.keep_side) == (64, val_side)  # round(32 x 256 / 224) = 37
+
+
+@pytest.mark.parametrize("first_bad, stops", [(-1, False), (0, True), (1, True), (7, True)])
+def test_a_non_finite_loss_at_any_step_the_first_included_stops_the_epoch(first_bad, stops):
+    """LossDisplay: -1 means no non-finite loss yet; step 0 is the first step, not 'none'."""
+    import torch
+
+    from multi_train_utils.train_eval_utils import LossDisplay, NonFiniteLossError
+
+    display = LossDisplay(epoch=3)
+    loss_sum = torch.tensor(float("nan") if stops else 6.0, dtype=torch.float64)
+    if stops:
+        with pytest.raises(NonFiniteLossError) as raised:
+            display.update(loss_sum, 8, torch.tensor(first_bad))
+        assert str(raised.value).startswith(f"training loss became nan at epoch 3, step {first_bad}; lower --lr")
+    else:
+        display.update(loss_sum, 8, torch.tensor(first_bad))
+        assert display.mean_loss == 0.75
