@@ -1652,3 +1652,16 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
     assert "problem: the all-reduce did not finish within 2 s on rank 0 (a hang)\n" in out, out
     assert out.rstrip().endswith("1 problem found")
     del server
+
+
+@pytest.mark.parametrize("checkpoint, compared", [(None, -1), ({"epoch": 0}, 0), ({"epoch": 4}, 4)])
+def test_the_ranks_compare_the_epoch_of_their_checkpoint_none_apart_from_epoch_0(monkeypatch, checkpoint, compared):
+    """read_inputs hands check_same_on_every_rank the checkpoint's epoch, -1 for none: a rank
+    with no checkpoint and one with epoch 0's (one epoch done) disagree."""
+    from multi_train_utils import inputs
+
+    seen = []
+    monkeypatch.setattr(inputs, "_read_inputs", lambda *a, **k: inputs.RunInputs(None, None, None, checkpoint, None))
+    monkeypatch.setattr(inputs, "check_same_on_every_rank", lambda value, device, what: seen.append((value, what)))
+    assert inputs.read_inputs(argparse.Namespace(), None, torch.device("cpu")).checkpoint is checkpoint
+    assert seen == [(compared, "the checkpoint to resume from")]

@@ -347,3 +347,14 @@ def test_a_deprecation_is_an_error_in_the_suite_and_in_every_process_it_starts(t
         result = run([PYTHON, str(old)])
         assert result.returncode == 1 and result.stdout == "before\n", (fresh, result.stdout, result.stderr)
         assert "FutureWarning: an API of the past" in result.stderr
+
+
+def test_resume_auto_finds_the_previous_checkpoint_where_it_is_the_only_one(tmp_path):
+    from multi_train_utils import checkpoint as ckpt
+
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {}, "classes": ["a", "b"], "args": {}}
+    ckpt.save_checkpoint(str(tmp_path), dict(state, epoch=4))
+    ckpt.save_checkpoint(str(tmp_path), dict(state, epoch=5))
+    os.remove(tmp_path / ckpt.CHECKPOINT)  # a run that resumed from the previous one and set the other aside
+    path, checkpoint = ckpt.find_resume_checkpoint("auto", str(tmp_path))
+    assert path == str(tmp_path / ckpt.PREVIOUS_CHECKPOINT) and checkpoint["epoch"] == 4
