@@ -233,3 +233,16 @@ def test_the_device_is_described_with_its_gpu_name_or_its_threads(monkeypatch):
     assert describe_device(torch.device("cuda", 1)) == "cuda:1 (NVIDIA H200 #1)"
     assert describe_device(torch.device("cpu")) == f"cpu ({torch.get_num_threads()} threads)"
     assert describe_device(torch.device("mps")) == "mps"
+
+
+@pytest.mark.parametrize("n, bars", [(30, True), (31, False)])
+def test_the_class_distribution_is_a_bar_per_class_up_to_30_classes_then_a_curve(n, bars):
+    from multi_train_utils.pictures import plot_class_distribution
+
+    train, val = [10 + c for c in range(n)], [2] * n
+    ax = plot_class_distribution(names(n), train, val).axes[0]
+    named = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    if bars:
+        assert named == names(n) and len(ax.patches) == 2 * n  # train and val bars of every class
+    else:
+        assert len(ax.patches) == 0 and not set(names(n)) <= set(named)
