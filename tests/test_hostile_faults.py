@@ -412,3 +412,16 @@ def test_a_full_disk_or_exhausted_memory_is_named_whatever_raised_it(error, line
     found = resource_error(error)
     assert found is not None and str(found).startswith(line), found
     assert resource_error(ValueError("a bug")) is None and resource_error(OSError(2, "No such file")) is None
+
+
+def test_each_run_logs_to_a_tensorboard_folder_of_its_own(tmp_path):
+    """A new sub-folder of --log-dir per run: the output folder's name, the start time and the
+    process, so that runs into folders of the same name, or one after another, never mix."""
+    import re
+
+    from multi_train_utils.recorder import RunRecorder
+
+    args = argparse.Namespace(output_dir=str(tmp_path / "a" / "exp"), log_dir=str(tmp_path / "tb"), patience=0,
+                              best_metric="accuracy")
+    log_dir = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False).log_dir
+    assert re.fullmatch(re.escape(str(tmp_path / "tb" / "exp")) + rf"-\d{{8}}-\d{{6}}-{os.getpid()}", log_dir), log_dir
