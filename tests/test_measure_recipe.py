@@ -138,3 +138,14 @@ def test_the_report_counts_cpu_minutes_as_wall_time_times_threads_for_the_config
     assert "- whole adamw: `--opt adamw --lr 0.001 --weight-decay 0.05`" in text
     assert "| whole | adamw | 50.0 | 60.0 | 55.0 | 50.0-60.0 |" in text
     capsys.readouterr()
+
+
+def test_each_dataset_gets_the_ema_decay_of_its_own_steps(measure, tmp_path):
+    """10 images of the whole set and 6 of the imbalanced one, batches of 4, 3 epochs: 6 and 3
+    optimizer steps; 0.01 ** (1 / 6) = 0.464 and 0.01 ** (1 / 3) = 0.215."""
+    for folder, count in (("train", 10), ("train_imbalanced", 6)):
+        os.makedirs(tmp_path / folder / "0")
+        for i in range(count):
+            (tmp_path / folder / "0" / f"{i}.png").write_bytes(b"")
+    args = argparse.Namespace(data_dir=str(tmp_path), batch_size=4, epochs=3)
+    assert (measure.ema_decay("whole", args), measure.ema_decay("imbalanced", args)) == (0.464, 0.215)
