@@ -434,7 +434,10 @@ def test_the_contract_takes_uint8_or_any_float_images(dtype):
     """my_dataset.py's contract: a uint8 CHW image, or a float one in [0, 1], of any float dtype."""
     value = 255 if dtype == torch.uint8 else 1.0
     items = [(torch.full((3, 4, 4), value, dtype=dtype), 0), (torch.zeros(3, 4, 4, dtype=dtype), 1)]
-    check_datasets(Datasets(items, items, ["cat", "dog"]))
+    try:
+        check_datasets(Datasets(items, items, ["cat", "dog"]))
+    except UserError as e:
+        raise AssertionError(f"{dtype} images refused: {e}") from None
     if dtype != torch.uint8:  # above 1: refused, naming the value
         high = [(torch.full((3, 4, 4), 2.0, dtype=dtype), 0)] + items[1:]
         assert "float with values up to 2" in refusal(check_datasets, Datasets(high, items, ["cat", "dog"]))
