@@ -39,6 +39,15 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
 
 
 CORES = len(os.sched_getaffinity(0))
+# The two training scripts and whether their parser is train_multi_gpu.py's (DDP flags).
+SCRIPTS = {"train_single.py": False, "train_multi_gpu.py": True}
+
+
+def parse_flags(distributed, *flags):
+    """The flags as the training script's parser (``distributed``: train_multi_gpu.py's) reads them."""
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    return parse_args(get_args_parser(distributed), list(flags))
 
 
 def free_port(low=None, high=None):

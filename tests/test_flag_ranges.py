@@ -5,8 +5,9 @@ with the parsers of train_single.py and train_multi_gpu.py; test_bad_input.py ch
 a line reaches the user with exit code 2."""
 import pytest
 
+from conftest import SCRIPTS, parse_flags
 from multi_train_utils.errors import UserError
-from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.options import get_args_parser
 
 # flag: (values just outside its range, values at its edges or inside), as the docs give them
 COMMON_RANGES = {
@@ -40,11 +41,10 @@ DDP_RANGES = {
 # counts (the others are real numbers, printed as such: "--lr 0.0: must be positive")
 WHOLE_NUMBERS = {"--epochs", "--batch-size", "--img-size", "--workers", "--lr-step-size", "--warmup-epochs",
                  "--keep-last", "--patience", "--accum-steps", "--print-freq", "--threads", "--dist-timeout", "--spawn"}
-SCRIPTS = {"train_single.py": False, "train_multi_gpu.py": True}
 
 
 def parse(distributed, *flags):
-    return parse_args(get_args_parser(distributed), ["--data-path", "d", *flags])
+    return parse_flags(distributed, "--data-path", "d", *flags)
 
 
 def accepted(distributed, *flags):
@@ -131,11 +131,11 @@ def test_eval_only_takes_the_runs_model_size_split_and_seed_unless_given(tmp_pat
     (run / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 48, "val_resize_size": 60,
                                                "val_rate": 0.3, "seed": 3, "data_path": str(data)}))
     weights = str(run / "model-best.pth")
-    args = parse_args(get_args_parser(SCRIPTS[script]), ["--eval-only", "--weights", weights])
+    args = parse_flags(SCRIPTS[script], "--eval-only", "--weights", weights)
     assert (args.model, args.img_size, args.val_resize_size, args.val_rate, args.seed, args.data_path) == \
         ("resnet18", 48, 60, 0.3, 3, str(data))
-    typed = parse_args(get_args_parser(SCRIPTS[script]), ["--eval-only", "--weights", weights, "--seed", "5",
-                                                           "--img-size", "64", "--val-resize-size", "80"])
+    typed = parse_flags(SCRIPTS[script], "--eval-only", "--weights", weights, "--seed", "5", "--img-size", "64",
+                        "--val-resize-size", "80")
     assert (typed.seed, typed.img_size, typed.val_resize_size, typed.val_rate) == (5, 64, 80, 0.3)
 
 

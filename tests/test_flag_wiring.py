@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
+from conftest import SCRIPTS, parse_flags
 from model import create_lr_scheduler, create_optimizer
 from multi_train_utils.ema import make_model_ema
 from multi_train_utils.images import build_transforms
@@ -19,13 +20,12 @@ from multi_train_utils.performance import optimize_model
 from multi_train_utils.train_eval_utils import LoopSettings
 from my_dataset import augment_settings
 
-SCRIPTS = {"train_single.py": False, "train_multi_gpu.py": True}
 
 
 @pytest.fixture(params=SCRIPTS.values(), ids=SCRIPTS.keys())
 def parse(request):
     distributed = request.param
-    return lambda *flags: parse_args(get_args_parser(distributed), ["--data-path", "d", *flags])
+    return lambda *flags: parse_flags(distributed, "--data-path", "d", *flags)
 
 
 def small_net():

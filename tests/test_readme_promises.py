@@ -1185,14 +1185,28 @@ def node_facts(**changes):
     return facts
 
 
-def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys):
-    """check_collectives of a 1-process job on a real store, its collectives replaced by a
-    recorder of the all-reduce size they are given."""
+def one_rank_doctor_store(monkeypatch, prefix, facts):
+    """(the TCPStore server, doctor's store on it) of a 1-process job at MASTER_ADDR:MASTER_PORT,
+    with rank 0's ``facts`` joined: what check_collectives reads."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from conftest import free_port
+    from tools import doctor
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
+    store = doctor._Store(server, prefix)
+    store.set("joined/0", facts)
+    return server, store
+
+
+def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys):
+    """check_collectives of a 1-process job on a real store, its collectives replaced by a
+    recorder of the all-reduce size they are given."""
     from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
@@ -1206,12 +1220,7 @@ def test_doctor_times_64_mib_on_gpus_and_8_on_cpus(tmp_path, monkeypatch, capsys
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     env = DistEnv(rank=0, world_size=1, launcher="env")
     for device, flags, size in (("cuda", [], 64), ("cpu", [], 8), ("cuda", ["--size-mb", "3"], 3)):
-        port = free_port()
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(port))
-        server = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
-        store = doctor._Store(server, f"test/{device}/{size}/")
-        store.set("joined/0", node_facts(device=device))
+        server, store = one_rank_doctor_store(monkeypatch, f"test/{device}/{size}/", node_facts(device=device))
         args = doctor.get_args_parser().parse_args(["--timeout", "5", *flags])
         assert doctor.check_collectives(args, env, torch.device(device), "gloo", store) == 0
         assert sizes[-1] == size
@@ -1609,11 +1618,7 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
     reports the hang with the step, exits 1 and leaves the stuck thread (os._exit)."""
     import threading
     import time
-    from datetime import timedelta
 
-    import torch.distributed as dist
-
-    from conftest import free_port
     from tools import doctor
     from multi_train_utils.distributed_utils import DistEnv
 
@@ -1632,12 +1637,7 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
     monkeypatch.setattr(doctor, "run_collectives", hanging_collectives)
     monkeypatch.setattr(doctor.os, "_exit", fake_exit)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    port = free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    server = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10), wait_for_workers=False)
-    store = doctor._Store(server, "test/hang/")
-    store.set("joined/0", node_facts())
+    server, store = one_rank_doctor_store(monkeypatch, "test/hang/", node_facts())
     args = doctor.get_args_parser().parse_args(["--timeout", "2"])
     start = time.monotonic()
     try:

@@ -11,16 +11,16 @@ import torch.nn as nn
 
 import model as model_file
 import predict
+from conftest import SCRIPTS
+from conftest import parse_flags as parse
 from multi_train_utils import distributed_utils, exported, pictures
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.errors import UserError
 from multi_train_utils.inputs import check_datasets
-from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.run_files import read_run_settings
 from my_dataset import Datasets
 from utils import read_label_files
 
-SCRIPTS = {"train_single.py": False, "train_multi_gpu.py": True}
 
 
 def refusal(call, *args, **kwargs):
@@ -30,10 +30,6 @@ def refusal(call, *args, **kwargs):
     line = str(caught.value)
     assert "\n" not in line, line
     return line
-
-
-def parse(distributed, *flags):
-    return parse_args(get_args_parser(distributed), list(flags))
 
 
 # --- Flags that do not go together, on both scripts -------------------------------------------------

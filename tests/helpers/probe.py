@@ -248,14 +248,16 @@ main_pid, real_exit = os.getpid(), os._exit
 if os.environ.get("PROBE_WRITES") == "1":
     written, record["writes"] = set(), []
 
+    def for_writing(mode, flags):
+        """open()'s mode ("wb", "a+"...) or os.open()'s flags ask to write."""
+        return any(c in (mode or "") for c in "wax+") or bool((flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+
     def note_writes(event, args):
-        if os.getpid() != main_pid:
-            return
-        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and (
-                any(c in str(args[1] or "") for c in "wax+") or (isinstance(args[2], int) and args[2] & (
-                    os.O_WRONLY | os.O_RDWR | os.O_CREAT))):
+        if os.getpid() != main_pid or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return  # a loader worker, or a file descriptor rather than a path
+        if event == "open" and for_writing(args[1], args[2]):
             written.add(os.path.abspath(os.fsdecode(args[0])))
-        elif event in ("os.rename", "os.remove", "os.unlink") and isinstance(args[0], (str, bytes, os.PathLike)):
+        elif event in ("os.rename", "os.remove", "os.unlink"):  # os.replace is audited as os.rename
             written.add(os.path.abspath(os.fsdecode(args[1] if event == "os.rename" else args[0])))
         record["writes"] = sorted(written)
 
