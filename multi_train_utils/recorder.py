@@ -138,7 +138,7 @@ class RunRecorder:
         weights and metrics.csv (rank 0)."""
         state = self.state
         state.epoch = epoch + 1
-        self._update_best(epoch, eval_result, ema_result)
+        source = self._update_best(epoch, eval_result, ema_result)
         state.stop_reason = self._patience_ran_out(epoch)
         if not self.enabled:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
@@ -148,7 +148,7 @@ class RunRecorder:
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
                           f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}", f"{seconds:.3f}",
-                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), state.best.source])
+                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, {
             **state.state_dict(weights, ema_state),
@@ -165,7 +165,8 @@ class RunRecorder:
         print(epoch_line(epoch, train_stats, eval_result, ema_result), flush=True)
 
     def _update_best(self, epoch, eval_result, ema_result):
-        """The state's best epoch, if the model or its EMA (whichever scores better) beat it."""
+        """The state's best epoch, if the model or its EMA (whichever scores better) beat it;
+        returns which of the two scored better this epoch."""
         metric, best = self.args.best_metric, self.state.best
         source, result = "model", eval_result
         if ema_result is not None and is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
@@ -173,6 +174,7 @@ class RunRecorder:
         if is_better(metric, result.metric(metric), best.value):
             best.value, best.accuracy, best.epoch = result.metric(metric), result.accuracy, epoch
             best.source, best.confusion = source, result.confusion
+        return source
 
     def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
         """The epoch's figures in TensorBoard (the EMA's under ema/)."""

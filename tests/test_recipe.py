@@ -345,6 +345,24 @@ def test_best_is_the_better_of_model_and_ema_by_best_metric_and_patience_stops()
     assert accuracy.state.stop_reason is None
 
 
+def test_best_source_of_each_row_is_whichever_scored_better_that_epoch(tmp_path):
+    """outputs.md: `best_source`: `model` or `ema`, whichever scored better on --best-metric
+    that epoch (not the source of the best epoch so far; a tie is the model's)."""
+    from multi_train_utils.recorder import RunRecorder
+
+    model = nn.Linear(2, 2)
+    args = recipe_args(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    runs = RunRecorder(args, CLASSES_AB, state, enabled=True, world_size=1)
+    for epoch, (model_right, ema_right) in enumerate([(8, 5), (6, 7), (9, 9)]):
+        runs.end_epoch(epoch, train_stats(), result_with(model_right), result_with(ema_right))
+    runs.writer.close()
+    assert [r["best_source"] for r in read_metrics(args.output_dir)] == ["model", "ema", "model"]
+    best = runs.state.best
+    assert (best.epoch, best.source, best.accuracy) == (2, "model", 0.9)
+
+
 def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_raised():
     from multi_train_utils.recorder import RunRecorder
 
