@@ -1238,6 +1238,10 @@ def test_doctor_bus_bandwidth_is_counted_as_nccl_tests_count_it():
         results = {r: {"phase": "done", "low": total, "high": total, "seconds": 0.1, "bytes": 2**27}
                    for r in range(world_size)}
         assert _all_reduce_text(results, world_size).endswith(f"5 runs of 100.0 ms, bus bandwidth {expected} GB/s")
+    # the slowest rank's time: rank 1 took 0.2 s, so half of 2 ranks' 1.34 GB/s
+    results = {0: {"phase": "done", "low": 3.0, "high": 3.0, "seconds": 0.1, "bytes": 2**27},
+               1: {"phase": "done", "low": 3.0, "high": 3.0, "seconds": 0.2, "bytes": 2**27}}
+    assert _all_reduce_text(results, 2).endswith("5 runs of 200.0 ms, bus bandwidth 0.67 GB/s")
 
 
 def test_doctor_report_names_each_gpu_with_its_uuid(tmp_path, monkeypatch):
