@@ -50,6 +50,13 @@ def test_a_pt2_takes_a_batch_of_1_and_of_200_and_carries_the_run(tmp_path):
     check_every_batch_size(model, exported)
     _, run = load_program(path)
     assert run == {key: RUN[key] for key in RUN_KEYS} and set(RUN_KEYS) >= {"mean", "std", "classes"}
+    # the program itself declares any batch size from 1 up (a torch that checks the declared
+    # range refuses a single image otherwise, whatever this torch lets through)
+    program = torch.export.load(path)
+    images = program.graph_signature.user_inputs[0]
+    batch = next(n.meta["val"].shape[0] for n in program.graph.nodes if n.name == images)
+    ranges = {str(symbol): r for symbol, r in program.range_constraints.items()}
+    assert (int(ranges[str(batch)].lower), str(ranges[str(batch)].upper)) == (1, "int_oo")
 
 
 def test_an_onnx_model_takes_a_batch_of_1_and_of_200(tmp_path):

@@ -157,6 +157,8 @@ def test_predict_and_export_never_write_over_an_input_nor_unasked_over_a_file(tr
     os.link(trained / "args.json", tmp_path / "hard-link.json")
     mine = tmp_path / "mine.csv"
     mine.write_text("a file of the user's")
+    program = tmp_path / "model.pt2"  # a .pt2 carries its run inside; --class-indices is still an input
+    program.write_bytes(b"an exported program")
     before = {**contents(trained), **contents(tmp_path)}
 
     def work_started(*args, **kwargs):
@@ -172,6 +174,9 @@ def test_predict_and_export_never_write_over_an_input_nor_unasked_over_a_file(tr
             for main, flags in ((export.main, []), (predict.main, ["--image", str(image)])):
                 refused(main, ["--weights", weights, "--class-indices", str(tmp_path / "names.json"), *flags,
                                "--output", output, *overwrite], reads)
+    for overwrite in ([], ["--overwrite"]):
+        refused(predict.main, ["--weights", str(program), "--class-indices", str(tmp_path / "names.json"),
+                               "--image", str(image), "--output", str(tmp_path / "names.json"), *overwrite], reads)
     refused(predict.main, ["--weights", weights, "--image", str(image.parent), "--output", str(image), "--overwrite"],
             f"--output {image}: is an image to predict .*{reads}")
     for main, flags in ((export.main, ["--format", "onnx"]), (predict.main, ["--image", str(image)])):

@@ -269,6 +269,13 @@ def test_slurm_address_and_port_come_from_master_addr_node_list_launch_node_and_
     assert os.environ["MASTER_ADDR"] == "10.0.0.5"
     assert os.environ["MASTER_PORT"] == "20456"  # 15000 + (123456 + 1000 x 2) mod 20000 = 15000 + 5456
 
+    slurm_task(monkeypatch)  # the step's 1000 is added before the mod: the sum wraps, not the job id alone
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.5")
+    monkeypatch.setenv("SLURM_JOB_ID", "19500")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    read_dist_env()
+    assert os.environ["MASTER_PORT"] == "15500"  # 15000 + (19500 + 1000) mod 20000 = 15000 + 500
+
     slurm_task(monkeypatch)
     with pytest.raises(UserError, match="^SLURM job without SLURM_NODELIST or SLURM_LAUNCH_NODE_IPADDR: set "
                                         "MASTER_ADDR"):
