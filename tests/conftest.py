@@ -3,12 +3,15 @@
 Every training run is a real subprocess (python, torchrun, torch.distributed.launch); runs
 that several tests read are session-scoped so that each is launched once.
 """
+import contextlib
 import csv
 import importlib.util
 import json
 import math
 import os
 import random
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -48,6 +51,45 @@ def parse_flags(distributed, *flags):
     from multi_train_utils.options import get_args_parser, parse_args
 
     return parse_args(get_args_parser(distributed), list(flags))
+
+
+def help_blocks(parser):
+    """{option string: its help text, on one line} from ``parser``'s --help."""
+    blocks, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            head = re.split(r"\s{2,}", line.strip())[0]
+            current = [line]
+            for option in re.findall(r"(?<![\w-])(--?[\w-]+)", head):
+                blocks[option] = current
+        elif current is not None and line.startswith("   "):
+            current.append(line)
+        else:
+            current = None
+    return {option: " ".join(" ".join(lines).split()) for option, lines in blocks.items()}
+
+
+@contextlib.contextmanager
+def stop_handlers(monkeypatch, on_exit, ended, *args, **kwargs):
+    """signals.install_stop_handlers(*args, **kwargs) in this process, as if SIGINT and SIGTERM
+    were not ignored, with os._exit replaced by ``on_exit``; afterwards (once the Event
+    ``ended`` is set, or 5 s have passed, so that the watchdog never calls the real os._exit)
+    every handler and the wakeup fd are put back."""
+    from multi_train_utils import signals
+
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    saved_fd = signal.set_wakeup_fd(-1)
+    monkeypatch.setattr(signals.os, "_exit", on_exit)
+    try:
+        for s in signals.STOP_SIGNALS:  # not ignored, also when pytest runs in the background
+            signal.signal(s, signal.default_int_handler)
+        signals.install_stop_handlers(*args, **kwargs)
+        yield
+    finally:
+        ended.wait(5)
+        signal.set_wakeup_fd(saved_fd)
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def free_port(low=None, high=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import parse_flags
+from conftest import help_blocks, parse_flags, stop_handlers
 
 
 # --- Elastic restarts ----------------------------------------------------------------------------
@@ -277,23 +277,6 @@ def test_help_states_the_defaults_docs_flags_gives_in_words(distributed):
         assert "--syncBN" in blocks["--sync-bn"]
 
 
-def help_blocks(parser):
-    """{option string: its help text on one line} of ``parser``'s --help."""
-    import re
-
-    blocks, current = {}, None
-    for line in parser.format_help().splitlines():
-        if line.startswith("  -"):
-            current = [line]
-            for option in re.findall(r"(?<![\w-])(--?[\w-]+)", re.split(r"\s{2,}", line.strip())[0]):
-                blocks[option] = current
-        elif current is not None and line.startswith("   "):
-            current.append(line)
-        else:
-            current = None
-    return {option: " ".join(" ".join(lines).split()) for option, lines in blocks.items()}
-
-
 # --- What a checkpoint holds ------------------------------------------------------------------------
 
 def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_beside_it(tmp_path):
@@ -359,23 +342,13 @@ def test_a_second_stop_signal_is_ignored_and_a_stuck_process_exits_143_after_sig
         codes.append(code)
         ended.set()
 
-    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
-    saved_fd = signal.set_wakeup_fd(-1)
-    monkeypatch.setattr(signals.os, "_exit", exit_)
-    try:
-        for s in signals.STOP_SIGNALS:  # not ignored, also when pytest runs in the background
-            signal.signal(s, signal.default_int_handler)
-        signals.install_stop_handlers(None, grace_seconds=0.2)
+    with stop_handlers(monkeypatch, exit_, ended, None, grace_seconds=0.2):
         with pytest.raises(signals.TrainingInterrupted) as stop:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
         # unwinding now: Ctrl-C and another SIGTERM change nothing
         while_unwinding = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    finally:
-        watchdog_ended = ended.wait(5)  # before os._exit is the real one again
-        signal.set_wakeup_fd(saved_fd)
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    watchdog_ended = ended.is_set()
     assert while_unwinding == (signal.SIG_IGN, signal.SIG_IGN)
     assert watchdog_ended, "the watchdog did not end the process"
     assert stop.value.signum == signal.SIGTERM

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import CLASSES, train_args
+from conftest import CLASSES, help_blocks, stop_handlers, train_args
 from multi_train_utils.checkpoint import TrainState
 
 
@@ -1141,24 +1141,6 @@ def test_the_training_bar_shows_images_per_second_the_eta_and_the_loss(capsys):
 
 # --- flags -------------------------------------------------------------------------------------
 
-def help_blocks(parser):
-    """{option string: its help text, on one line} from ``parser``'s --help."""
-    import re
-
-    blocks, current = {}, None
-    for line in parser.format_help().splitlines():
-        if line.startswith("  -"):
-            head = re.split(r"\s{2,}", line.strip())[0]
-            current = [line]
-            for option in re.findall(r"(?<![\w-])(--?[\w-]+)", head):
-                blocks[option] = current
-        elif current is not None and line.startswith("   "):
-            current.append(line)
-        else:
-            current = None
-    return {option: " ".join(" ".join(lines).split()) for option, lines in blocks.items()}
-
-
 def test_help_describes_every_flag_with_its_default():
     from multi_train_utils.options import get_args_parser
 
@@ -1565,22 +1547,12 @@ def test_a_process_stuck_after_a_stop_signal_is_ended_by_the_watchdog(monkeypatc
         ended.append((code, time.monotonic()))
         done.set()
 
-    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
-    saved_fd = signal.set_wakeup_fd(-1)
-    monkeypatch.setattr(signals.os, "_exit", exit_)
-    try:
-        for s in signals.STOP_SIGNALS:  # not ignored, also when pytest runs in the background
-            signal.signal(s, signal.default_int_handler)
-        signals.install_stop_handlers("to continue, run it again", grace_seconds=0.3)
+    with stop_handlers(monkeypatch, exit_, done, "to continue, run it again", grace_seconds=0.3):
         sent = time.monotonic()
         with pytest.raises(signals.TrainingInterrupted) as stop:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
         assert done.wait(3), "the watchdog did not end the process"
-    finally:
-        signal.set_wakeup_fd(saved_fd)
-        for s, handler in saved.items():
-            signal.signal(s, handler)
     assert stop.value.signum == signal.SIGINT
     (code, at), = ended
     assert code == 130 and 0.3 <= at - sent < 1.5, (code, at - sent)
