@@ -212,7 +212,7 @@ def _read_label_file(path, flag):
             for row in reader:
                 if not any(field.strip() for field in row):
                     continue  # a blank line
-                if len(row) < 2 or not row[0].strip() or not row[1].strip():
+                if len(row) != 2 or not row[0].strip() or not row[1].strip():
                     raise UserError(f"{flag} {path}, line {reader.line_num}: expected path,label; "
                                     f"found {','.join(row)!r}")
                 image = os.path.normpath(os.path.join(folder, row[0].strip()))

@@ -198,6 +198,17 @@ def test_a_label_file_skips_blank_lines_and_refuses_what_csv_cannot_read(tmp_pat
     assert refusal(read_label_files, path).startswith(f"--train-list {path}: not a readable CSV file (")
 
 
+@pytest.mark.parametrize("row", ["c.png", "c.png,dog,extra", "c,png,dog"])
+def test_a_label_row_of_other_than_two_fields_is_named_with_its_file_and_line(tmp_path, row):
+    """data.md: a wrong row is one line naming the file and line; a row is path,label: one
+    field, a third column or a path with an unquoted comma are refused, not cut to two."""
+    path = _label_file(tmp_path, ["path,label", "a.png,cat", "b.png,dog", row, "d.png,dog"])
+    line = refusal(read_label_files, path)
+    assert line == f"--train-list {path}, line 4: expected path,label; found {row!r}"
+    quoted = _label_file(tmp_path, ["path,label", "a.png,cat", "b.png,dog", '"c.png",dog', "d.png,cat"])
+    assert sorted(read_label_files(quoted, val_rate=0.5, seed=0).classes) == ["cat", "dog"]  # two fields: taken
+
+
 def test_a_dataset_with_labels_that_are_not_integers_or_that_is_empty_is_named():
     good = [(torch.zeros(3, 4, 4, dtype=torch.uint8), 0), (torch.zeros(3, 4, 4, dtype=torch.uint8), 1)]
 
