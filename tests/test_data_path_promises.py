@@ -6,6 +6,7 @@ import tarfile
 import pytest
 import torch
 
+from conftest import Labelled
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import extract_dataset
 from my_dataset import SeededSamples
@@ -105,19 +106,6 @@ def test_download_does_nothing_when_the_data_folder_is_there(tmp_path, monkeypat
 
 # --- inputs.check_datasets (your own dataset's contract) ----------------------------------------------
 
-class Labelled(torch.utils.data.Dataset):
-    """Three uint8 images with the labels ``targets``."""
-
-    def __init__(self, targets):
-        self.targets = targets
-
-    def __len__(self):
-        return len(self.targets)
-
-    def __getitem__(self, index):
-        return torch.zeros(3, 8, 8, dtype=torch.uint8), int(self.targets[index])
-
-
 @pytest.mark.parametrize("targets, low, high", [([-1, 0, 1], -1, 1), ([0, 1, 2], 0, 2)])
 def test_own_dataset_labels_below_0_or_from_the_class_count_on_are_refused(targets, low, high):
     """my_dataset.py's contract (README: "label an int"; data.md: "checked against its contract"):
@@ -125,11 +113,11 @@ def test_own_dataset_labels_below_0_or_from_the_class_count_on_are_refused(targe
     from multi_train_utils.inputs import check_datasets
     from my_dataset import Datasets
 
-    good = Labelled([0, 1, 1])
+    good = Labelled([0, 1, 1], readable=True)
     with pytest.raises(UserError, match=f"the validation dataset: labels run from {low} to {high}, but there are 2 "
                                         r"classes \(labels 0 to 1\)$"):
-        check_datasets(Datasets(good, Labelled(targets), ["a", "b"]))
-    check_datasets(Datasets(good, Labelled([1, 0, 1]), ["a", "b"]))  # 0 and 1 both fit
+        check_datasets(Datasets(good, Labelled(targets, readable=True), ["a", "b"]))
+    check_datasets(Datasets(good, Labelled([1, 0, 1], readable=True), ["a", "b"]))  # 0 and 1 both fit
 
 
 # --- model.freeze_all_but_head (--freeze-layers) --------------------------------------------------

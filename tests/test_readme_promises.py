@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import CLASSES, help_blocks, stop_handlers, train_args
+from conftest import CLASSES, Labelled, help_blocks, stop_handlers, train_args
 from multi_train_utils.checkpoint import TrainState
 
 
@@ -997,19 +997,6 @@ def test_device_auto_takes_mps_where_there_is_no_cuda(monkeypatch):
 
 
 # --- what a run shows and draws ----------------------------------------------------------------
-
-class Labelled(torch.utils.data.Dataset):
-    """A dataset known by its targets only: counting its classes must not read an image."""
-
-    def __init__(self, targets):
-        self.targets = targets
-
-    def __len__(self):
-        return len(self.targets)
-
-    def __getitem__(self, index):
-        raise AssertionError("an image was read to count the classes")
-
 
 def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, monkeypatch):
     from multi_train_utils import recorder as recorder_module

@@ -7,20 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import parse_flags
+from conftest import Labelled, parse_flags
 
 from multi_train_utils.checkpoint import TrainState
 from multi_train_utils.train_eval_utils import EvalResult, TrainStats
-
-
-class Labelled(torch.utils.data.Dataset):
-    """A dataset known by its targets only (the summary counts classes without reading an image)."""
-
-    def __init__(self, targets):
-        self.targets = targets
-
-    def __len__(self):
-        return len(self.targets)
 
 
 def run_flags(tmp_path, *extra):
