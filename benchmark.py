@@ -45,20 +45,22 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from torchvision.transforms.v2.functional import pil_to_tensor
 from tqdm import tqdm
 
-from model import check_input_size, create_model
+from model import create_model
 from multi_train_utils.checkpoint import TrainState
+from multi_train_utils.data_split import split_class_folders
+from multi_train_utils.datasets import MyDataSet, image_file_datasets
 from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
                                                  select_device)
 from multi_train_utils.errors import UserError, run_cli
 from multi_train_utils.example_data import make_demo_dataset
 from multi_train_utils import images
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
+from multi_train_utils.loaders import EpochIndexSampler, SeededSamples, make_loader, stack_batch
+from multi_train_utils.model_setup import ModelSpec, check_input_size
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.run_files import read_metrics
 from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
-from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples, image_file_datasets, make_loader, stack_batch
-from utils import read_split_data
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
@@ -306,8 +308,8 @@ WORKER_MEMORY = """import os, sys, json
 sys.path.insert(0, {repo!r})
 import torch
 from torch.utils.data import DataLoader, Dataset
-from utils import read_split_data
-from my_dataset import MyDataSet
+from multi_train_utils.data_split import split_class_folders
+from multi_train_utils.datasets import MyDataSet
 
 def private_kb():
     with open("/proc/self/smaps_rollup") as f:
@@ -321,7 +323,7 @@ class PathsOnly(Dataset):  # what a worker reads of an item, without decoding th
     def __getitem__(self, i):
         return len(self.paths[i]) + int(self.labels[i]), private_kb() if i in (0, len(self) - 1) else 0
 
-split = read_split_data({root!r}, val_rate=0.1, seed=0)
+split = split_class_folders({root!r}, val_rate=0.1, seed=0)
 held = MyDataSet(split.train_images_path, split.train_images_label)
 paths, labels = (held.images_path, held.images_class) if {compact!r} else (list(split.train_images_path),
                                                                          list(split.train_images_label))
@@ -607,7 +609,8 @@ def main(argv=None):
         return report_scale(args)
     if args.decoders:
         return report_decoders(args)
-    check_input_size(args.model, args.img_size, args.batch_size, training=True)  # before the data is made
+    # before the data is made (the class count does not change which sizes a model takes)
+    check_input_size(ModelSpec(create_model, args.model, 2, args.img_size), args.batch_size, training=True)
     device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context
     configure_cpu_threads(device)
     configure_backends(device)
@@ -615,7 +618,7 @@ def main(argv=None):
     precision = choose_precision(args.amp, device) if device.type != "cuda" else None
     data_path = prepare_data(args)
 
-    split = read_split_data(data_path, val_rate=0.1, seed=0)
+    split = split_class_folders(data_path, val_rate=0.1, seed=0)
     train_set = SeededSamples(image_file_datasets(split, args.img_size).train, seed=0)  # the built-in pipeline
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
     batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
@@ -638,8 +641,9 @@ def main(argv=None):
 
     num_classes = len(split.classes)
     torch.manual_seed(0)
-    model = create_model(args.model, num_classes).to(device)
-    model, channels_last = optimize_model(model, argparse.Namespace(**vars(args), grad_checkpoint=False), device)
+    model = create_model(args.model, num_classes, 3).to(device)
+    flags = argparse.Namespace(**vars(args), grad_checkpoint=False, data_parallel=False)
+    model, channels_last = optimize_model(model, flags, device)
     settings = LoopSettings(precision, channels_last)  # as train_single.py runs it
     batch = next(iter(loader))
     results["step"], timed["step"] = measure_step(model, batch, device, settings, args.steps)
@@ -655,7 +659,7 @@ def main(argv=None):
 
     if args.baseline:
         torch.manual_seed(0)
-        model = create_model(args.model, num_classes).to(device)
+        model = create_model(args.model, num_classes, 3).to(device)
         steps = max(2, args.steps // 2)
         step, timed["baseline step"] = measure_tutorial_step(model, *batch, device, steps)
         loop, timed["baseline loop"] = tutorial_epoch(model, new_optimizer(model),

@@ -3,9 +3,9 @@
     python export.py --weights weights/model-best.pth                  # model-best.pt2
     python export.py --weights weights/model-best.pth --format onnx    # pip install onnx onnxscript onnxruntime
 
-The exported model takes float images of shape (N, 3, H, W), any N, H = W = the training
-image size, normalised with ImageNet's mean and std (multi_train_utils.images.IMAGENET_MEAN /
-IMAGENET_STD), and returns one logit per class. A .pt2 loads with torch alone, without this
+The exported model takes float images of shape (N, C, H, W), any N, C the channels of the
+run's images (3 for RGB), H = W = the training image size, normalised with the run's mean and
+std (ImageNet's unless its data said otherwise), and returns one logit per class. A .pt2 loads with torch alone, without this
 project's code, and carries the class names and the preprocessing (run.json inside it;
 predict.py reads them):
 
@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from model import create_model
 from multi_train_utils.errors import UserError, printable, run_cli
 from multi_train_utils.exported import ANY_BATCH, SUFFIX, export_program, is_program, load_program
 from multi_train_utils.files import check_new_output, write_bytes_atomic
@@ -102,18 +103,19 @@ def main(argv=None):
     if args.format == "pt2" and not is_program(output):
         raise UserError(f"--output {printable(output)}: a torch.export program's name must end in .pt2 "
                         "(torch.export.load reads it by that)")
-    model, model_name, img_size, classes = load_trained_model(args)
+    trained = load_trained_model(args, create_model)
+    model, model_name, img_size, classes, channels = trained[:5]
 
     generator = torch.Generator().manual_seed(0)
-    example = torch.randn(2, 3, img_size, img_size, generator=generator)
+    example = torch.randn(2, channels, img_size, img_size, generator=generator)
     resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
-    run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "mean": IMAGENET_MEAN,
-           "std": IMAGENET_STD, "classes": classes}
+    run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "channels": channels,
+           "mean": trained.mean, "std": trained.std, "classes": classes}
     unchecked = unchecked_path(output)
     try:
         with torch.no_grad():
             run_exported = EXPORTERS[args.format](model, example, unchecked, run)
-            check = torch.randn(3, 3, img_size, img_size, generator=generator)  # another batch size, other values
+            check = torch.randn(3, channels, img_size, img_size, generator=generator)  # another batch size, other values
             difference = float((run_exported(check) - model(check)).abs().max())
         if difference > TOLERANCE:
             raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "
@@ -122,9 +124,19 @@ def main(argv=None):
     finally:
         if os.path.exists(unchecked):
             os.remove(unchecked)  # never leave a file that was not checked
-    print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, 3, {img_size}, "
-                    f"{img_size}): shorter side resized to {resize}, center-cropped, normalised with ImageNet's "
-                    f"mean and std); max difference to the eager model on a check batch: {difference:.2e}"))
+    print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, {channels}, "
+                    f"{img_size}, {img_size}): shorter side resized to {resize}, center-cropped, "
+                    f"{normalisation_text(trained.mean, trained.std)}); max difference to the eager model on a check "
+                    f"batch: {difference:.2e}"))
+
+
+def normalisation_text(mean, std):
+    """How the exported model's input is normalised, in words."""
+    if mean is None:
+        return "not normalised (pixel values as the data gave them)"
+    if tuple(mean) == IMAGENET_MEAN and tuple(std) == IMAGENET_STD:
+        return "normalised with ImageNet's mean and std"
+    return f"normalised with mean {list(mean)} and std {list(std)}"
 
 
 def unchecked_path(output):

@@ -19,15 +19,16 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from model import create_model
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
 from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
 from multi_train_utils.options import add_trained_model_flags
-from multi_train_utils.run_files import (load_trained_model, read_class_indices, read_val_resize_size,
+from multi_train_utils.run_files import (TrainedModel, load_trained_model, read_class_indices, read_val_resize_size,
                                          trained_model_files)
-from utils import IMG_EXTENSIONS
+from multi_train_utils.images import IMG_EXTENSIONS
 
 
 def get_args_parser():
@@ -85,8 +86,8 @@ def why_unreadable(error, path):
 class ImageFiles(Dataset):
     """Images for prediction; a file that cannot be read yields why instead."""
 
-    def __init__(self, paths, transform, keep_side):
-        self.paths, self.transform, self.keep_side = paths, transform, keep_side
+    def __init__(self, paths, transform, keep_side, channels=3):
+        self.paths, self.transform, self.keep_side, self.channels = paths, transform, keep_side, channels
 
     def __len__(self):
         return len(self.paths)
@@ -94,7 +95,7 @@ class ImageFiles(Dataset):
     def __getitem__(self, index):
         path = self.paths[index]
         try:
-            return self.transform(read_image_uint8(path, self.keep_side)), index, None
+            return self.transform(read_image_uint8(path, self.keep_side, self.channels)), index, None
         except (UserError, OSError, Image.DecompressionBombError) as e:  # named and skipped, never fatal
             return None, index, why_unreadable(e, path)
 
@@ -107,9 +108,9 @@ class ImageFiles(Dataset):
 
 
 @torch.no_grad()
-def predict(model, loader, device, progress=True):
-    """Yield (index, probabilities) for each decodable image and (index, error) for the others."""
-    to_device = DeviceNormalizer(device)
+def predict(model, loader, to_device, progress=True):
+    """Yield (index, probabilities) for each decodable image and (index, error) for the others;
+    ``to_device``: a DeviceNormalizer with the run's mean and std."""
     for images, indices, errors in tqdm(loader, desc="[predict]", disable=not progress, file=sys.stdout):
         for index, error in errors:
             yield index, error
@@ -129,9 +130,10 @@ def main(argv=None):
     device = select_device(args.device)
     configure_cpu_threads(device)
 
-    model, img_size, val_resize, classes = load_model(args, device)
-    _, transform = build_transforms(img_size, val_resize_size=val_resize)  # the validation transform
-    dataset = ImageFiles(paths, transform, keep_side=val_resize)
+    trained, val_resize = load_model(args, device)
+    classes = trained.classes
+    _, transform = build_transforms(trained.img_size, val_resize_size=val_resize)  # the validation transform
+    dataset = ImageFiles(paths, transform, keep_side=val_resize, channels=trained.channels)
     workers = args.workers if args.workers is not None else min(8, os.cpu_count() or 1, max(0, len(paths) // 8))
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=workers, collate_fn=dataset.collate_fn,
                         pin_memory=device.type == "cuda")
@@ -139,7 +141,8 @@ def main(argv=None):
     for name, why in unreadable_folders:
         print(printable(f"warning: skipping folder {name}: {why}"))
     rows, skipped = [], len(unreadable_folders)
-    for index, result in predict(model, loader, device, progress=folder):
+    to_device = DeviceNormalizer(device, mean=trained.mean, std=trained.std)
+    for index, result in predict(trained.model, loader, to_device, progress=folder):
         if isinstance(result, str):
             skipped += 1
             tqdm.write(printable(f"warning: skipping {paths[index]}: {result}"), file=sys.stdout)
@@ -161,12 +164,13 @@ def main(argv=None):
 
 
 def load_model(args, device):
-    """(the model on ``device``, in eval mode; its image size; the validation resize; class
-    names) of --weights: a .pth with its run's files, or a .pt2 from export.py."""
+    """(the TrainedModel of --weights, its model on ``device`` in eval mode; the validation
+    resize): a .pth with its run's files, made by model.py's create_model, or a .pt2 from
+    export.py."""
     if not is_program(args.weights):
-        model, _, img_size, classes = load_trained_model(args)
-        return model.to(device), img_size, read_val_resize_size(args, img_size), classes
-    given = [flag for flag in ("--model", "--img-size") if getattr(args, flag[2:].replace("-", "_")) is not None]
+        trained = load_trained_model(args, create_model)
+        return trained._replace(model=trained.model.to(device)), read_val_resize_size(args, trained.img_size)
+    given = [flag for flag, value in (("--model", args.model), ("--img-size", args.img_size)) if value is not None]
     if given:
         raise UserError(f"{given[0]}: a .pt2 holds its model and image size; leave {' and '.join(given)} out")
     model, run = load_program(args.weights, device)
@@ -174,7 +178,9 @@ def load_model(args, device):
     if len(classes) != len(run["classes"]):
         raise UserError(f"--class-indices {printable(args.class_indices)}: names {len(classes)} classes, the .pt2 "
                         f"predicts {len(run['classes'])}")
-    return model, run["img_size"], args.val_resize_size or run["val_resize_size"], classes
+    trained = TrainedModel(model, run["model"], run["img_size"], classes, channels=run["channels"],
+                           mean=run["mean"], std=run["std"])
+    return trained, args.val_resize_size or run["val_resize_size"]
 
 
 def prediction_rows(rows, classes):

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 
-from model import build_model, create_loss, create_lr_scheduler, create_optimizer, use_sync_bn
+from model import create_loss, create_lr_scheduler, create_model, create_optimizer
 from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import TrainState, restore_training_state
 from multi_train_utils.distributed_utils import (configure_cpu_threads, connect_store, init_distributed_mode,
@@ -32,7 +32,9 @@ from multi_train_utils.distributed_utils import (configure_cpu_threads, connect_
 from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import load_data, read_inputs, resume_hint
+from multi_train_utils.loaders import EpochIndexSampler, SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
+from multi_train_utils.model_setup import ModelSpec, build_model, use_sync_bn
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -40,7 +42,7 @@ from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import die_with_launcher, install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import LoopSettings, evaluate, train_one_epoch
-from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, make_loader, seed_epoch
+from my_dataset import build_datasets
 
 
 @leaves_process_group  # see 8. at the end
@@ -64,7 +66,8 @@ def main(argv=None):
     node_peers = meet_node_peers(store, env, wants_gpus=args.device != "cpu")
     device = select_device(args.device, env.local_rank, env.local_world_size, node_peers,
                            shared_gpu_ok=args.dist_backend == "gloo")
-    workers = configure_cpu_threads(device, args, sharing=processes_sharing_cores(env, node_peers))
+    workers = configure_cpu_threads(device, args.threads, args.workers,
+                                    sharing=processes_sharing_cores(env, node_peers))
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     init_distributed_mode(args, env, device, store)
@@ -89,14 +92,16 @@ def main(argv=None):
 
     # ---- The model (model.py: create_model)
     torch.manual_seed(args.seed)
-    model = build_model(args, num_classes, weights_state, device)  # --weights, --freeze-layers; on the device
+    spec = ModelSpec(create_model, args.model, num_classes, args.img_size, data.channels)
+    model = build_model(spec, device, weights_state, weights_flag=args.weights, eval_only=args.eval_only,
+                        freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
     # 3. SyncBatchNorm: batch statistics over all GPUs (--sync-bn; for small per-GPU batches).
     if use_sync_bn(args.sync_bn, device, env.distributed, compiled=args.compile, verbose=is_main):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model, channels_last = optimize_model(model, args, device, precision)  # channels_last, --compile, ...
-    settings = LoopSettings.from_args(args, precision, channels_last)
+    settings = LoopSettings.from_args(args, precision, channels_last, data)  # data: its mean and std
 
     if args.eval_only:
         report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args)
@@ -116,7 +121,8 @@ def main(argv=None):
 
     # ---- The epochs
     recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
-    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir)
+    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
+                        resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
         for epoch in range(state.epoch, args.epochs):

@@ -13,14 +13,16 @@ import time
 import torch
 from torch.utils.data import BatchSampler
 
-from model import build_model, create_loss, create_lr_scheduler, create_optimizer
+from model import create_loss, create_lr_scheduler, create_model, create_optimizer
 from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import TrainState, restore_training_state
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
+from multi_train_utils.loaders import EpochIndexSampler, SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
+from multi_train_utils.model_setup import ModelSpec, build_model
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
@@ -28,7 +30,7 @@ from multi_train_utils.run_log import RunLog
 from multi_train_utils.signals import install_stop_handlers
 from multi_train_utils.summary import print_start_summary, report_evaluation
 from multi_train_utils.train_eval_utils import LoopSettings, evaluate, train_one_epoch
-from my_dataset import EpochIndexSampler, SeededSamples, ShardSampler, build_datasets, make_loader, seed_epoch
+from my_dataset import build_datasets
 
 
 def main(argv=None):
@@ -37,7 +39,7 @@ def main(argv=None):
     run_log = RunLog()  # what this process prints goes to train.log too, once the output dir is checked
     install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
     device = select_device(args.device)
-    workers = configure_cpu_threads(device, args)  # torch's threads; returns the loader workers
+    workers = configure_cpu_threads(device, args.threads, args.workers)  # torch's threads; the loader's workers
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
 
@@ -58,11 +60,13 @@ def main(argv=None):
 
     # ---- The model (model.py: create_model)
     torch.manual_seed(args.seed)
-    model = build_model(args, num_classes, weights_state, device)  # --weights, --freeze-layers; on the device
+    spec = ModelSpec(create_model, args.model, num_classes, args.img_size, data.channels)
+    model = build_model(spec, device, weights_state, weights_flag=args.weights, eval_only=args.eval_only,
+                        freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
     model, channels_last = optimize_model(model, args, device, precision)  # channels_last, --compile, ...
-    settings = LoopSettings.from_args(args, precision, channels_last)
+    settings = LoopSettings.from_args(args, precision, channels_last, data)  # data: its mean and std
 
     if args.eval_only:
         report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args)
@@ -78,7 +82,8 @@ def main(argv=None):
 
     # ---- The epochs
     recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
-    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir)
+    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
+                        resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
         for epoch in range(state.epoch, args.epochs):

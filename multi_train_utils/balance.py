@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.process import get_rank, get_world_size
-from my_dataset import sample_seed
+from multi_train_utils.loaders import sample_seed
 
 # Added to --seed so that the balanced draw is not the same stream as the model's or the
 # augmentations' seeds of the same (seed, epoch).

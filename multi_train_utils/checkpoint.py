@@ -1,19 +1,19 @@
 """The training state and its checkpoint: saved each epoch, found and loaded for --resume, restored.
 
-The one before is kept as checkpoint-prev.pth; restoring covers the optimizer's, the fp16
-scaler's, the EMA's and the random generators' states, the epoch and the best epoch so far."""
+``build_checkpoint`` is the one maker of the checkpoint's dict and ``load_checkpoint`` its one
+reader (checked, and completed for checkpoints of earlier versions). The one before is kept as
+checkpoint-prev.pth; restoring covers the optimizer's, the fp16 scaler's, the EMA's and the
+random generators' states, the epoch and the best epoch so far."""
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from multi_train_utils.errors import UserError, disk_full_error, one_line
+from multi_train_utils.errors import UserError, one_line
 from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
-                                    TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, safe_load, save_atomic)
+                                    TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, link_atomic, safe_load, save_atomic)
 
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
@@ -26,6 +26,12 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
 # Flags a resume must repeat, with the value a checkpoint without them was trained with:
 # another optimizer or other parameter groups cannot take the saved optimizer state, and
 # another --best-metric would compare the saved best with a different figure.
+# What a checkpoint of an earlier version of this template lacks, as that version ran
+# ("best_value" is then its best accuracy). An entry it has that is no longer read (its
+# "lr_scheduler": the schedule is a function of the epoch) is left out when it is read.
+EARLIER_CHECKPOINTS = {"best_accuracy": -1.0, "best_epoch": -1, "best_source": "model", "best_confusion": None,
+                       "metrics": [], "log_dir": None, "scaler": None, "rng": {}, "model_ema": None,
+                       "stopped_early": None, "file_list": None, "world_size": None}
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
                   "best_metric": "accuracy"}
 
@@ -42,17 +48,11 @@ class BestEpoch:
 
     @classmethod
     def from_checkpoint(cls, checkpoint):
-        """The best epoch a checkpoint recorded (none for None)."""
+        """The best epoch a checkpoint (as load_checkpoint reads it) recorded (none for None)."""
         if not checkpoint:
             return cls()
-        accuracy = checkpoint.get("best_accuracy", -1.0)
-        return cls(checkpoint.get("best_value", accuracy), accuracy, checkpoint.get("best_epoch", -1),
-                   checkpoint.get("best_source", "model"), checkpoint.get("best_confusion"))
-
-    def checkpoint_fields(self):
-        """The checkpoint's best_* entries."""
-        return {"best_accuracy": self.accuracy, "best_value": self.value, "best_epoch": self.epoch,
-                "best_source": self.source, "best_confusion": self.confusion}
+        return cls(checkpoint["best_value"], checkpoint["best_accuracy"], checkpoint["best_epoch"],
+                   checkpoint["best_source"], checkpoint["best_confusion"])
 
 
 @dataclass
@@ -72,42 +72,25 @@ class TrainState:
     best: BestEpoch = field(default_factory=BestEpoch)
     stop_reason: Optional[str] = None  # why the run ends before --epochs (--patience), or None
 
-    def state_dict(self, weights, ema_state=None):
-        """The checkpoint's entries of this state, with the model's ``weights`` and the EMA's
-        ``ema_state`` already copied to the CPU; its "epoch" is the last one finished."""
-        scaler = self.scaler
-        return {"model": weights, "model_ema": ema_state, "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-                "epoch": self.epoch - 1, **self.best.checkpoint_fields(), "stopped_early": self.stop_reason}
+
+def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, file_list, world_size, log_dir):
+    """The checkpoint's dict (its one maker): ``state`` (a TrainState; its "epoch" is the last
+    one finished), the model's ``weights`` and the EMA's ``ema_state`` already copied to the
+    CPU, the random generators' states, and the run's record: metrics.csv's rows, the flags
+    (``args``, as args.json has them), the classes, the data's files (``file_list``), the
+    world size and the TensorBoard folder."""
+    scaler, best = state.scaler, state.best
+    return {"model": weights, "model_ema": ema_state, "optimizer": state.optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "epoch": state.epoch - 1, "best_accuracy": best.accuracy, "best_value": best.value,
+            "best_epoch": best.epoch, "best_source": best.source, "best_confusion": best.confusion,
+            "stopped_early": state.stop_reason, "rng": rng_state(), "metrics": metrics, "args": args,
+            "classes": list(classes), "file_list": file_list, "world_size": world_size, "log_dir": log_dir}
 
 
 def resumes_in(resume_path, output_dir):
     """True when the checkpoint resumed from lies in ``output_dir`` (the run continues there)."""
     return bool(resume_path) and os.path.dirname(os.path.abspath(resume_path)) == os.path.abspath(output_dir)
-
-
-def _keep_previous(path, previous):
-    """Make ``previous`` a copy of ``path`` (a hard link where the file system has them)."""
-    if not os.path.exists(path):
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(previous)}.", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(previous)))
-    os.close(fd)
-    try:
-        os.remove(tmp)
-        try:
-            os.link(path, tmp)
-        except OSError:
-            shutil.copyfile(path, tmp)
-        os.replace(tmp, previous)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        full = disk_full_error(e, previous) if isinstance(e, Exception) else None
-        if full is not None:  # the copy (no hard links here) did not fit
-            raise full from None
-        raise
 
 
 def rng_state():
@@ -124,7 +107,7 @@ def save_checkpoint(output_dir, state):
     The new checkpoint is written in full first; only then is the old one kept as previous
     and replaced. A write that fails (a full disk, a crash) leaves both files as they were."""
     path, previous = os.path.join(output_dir, CHECKPOINT), os.path.join(output_dir, PREVIOUS_CHECKPOINT)
-    save_atomic(state, path, before_replace=lambda: _keep_previous(path, previous))
+    save_atomic(state, path, before_replace=lambda: os.path.exists(path) and link_atomic(path, previous))
 
 
 def load_checkpoint(path, flag="--resume"):
@@ -136,7 +119,14 @@ def load_checkpoint(path, flag="--resume"):
                         "to start from weights alone use --weights")
     check_fields(checkpoint, CHECKPOINT_FIELDS, f"{flag} {path}",
                  "not a checkpoint as this template writes it: resume from another, or start over with --overwrite")
-    return checkpoint
+    return complete_checkpoint(checkpoint)
+
+
+def complete_checkpoint(checkpoint):
+    """A checkpoint as this version reads it: what an earlier version's lacks filled in as that
+    version ran (EARLIER_CHECKPOINTS), what is no longer read left out."""
+    earlier = {**EARLIER_CHECKPOINTS, "best_value": checkpoint.get("best_accuracy", -1.0)}
+    return {**earlier, **{k: v for k, v in checkpoint.items() if k != "lr_scheduler"}}
 
 
 def find_resume_checkpoint(resume, output_dir, verbose=True):
@@ -183,11 +173,12 @@ def check_resume_compatible(checkpoint, path, args, classes, epochs):
     if list(checkpoint["classes"]) != list(classes):
         raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
                         f"{classes}; resume with the same class folders or start a new --output-dir")
+    current = vars(args)
     for flag, old_default in SAME_ON_RESUME.items():
-        value = checkpoint["args"].get(flag, getattr(args, flag) if old_default is None else old_default)
-        if value != getattr(args, flag):
+        value = checkpoint["args"].get(flag, current[flag] if old_default is None else old_default)
+        if value != current[flag]:
             raise UserError(f"--resume {path}: trained with {describe_flag(flag, value)}, this run has "
-                            f"{describe_flag(flag, getattr(args, flag))}; resume with the same, or start a new "
+                            f"{describe_flag(flag, current[flag])}; resume with the same, or start a new "
                             "--output-dir")
     if int(checkpoint["epoch"]) + 1 > epochs:
         raise UserError(f"--resume {path}: already trained {int(checkpoint['epoch']) + 1} epochs, more than "
@@ -230,10 +221,10 @@ def restore_training_state(state, checkpoint):
         except (KeyError, TypeError, RuntimeError) as e:
             raise UserError(f"--resume: the checkpoint's EMA weights do not fit this model ({one_line(e)}); "
                             "resume from another checkpoint, or start over with --overwrite") from None
-    if scaler is not None and scaler.is_enabled() and checkpoint.get("scaler"):
+    if scaler is not None and scaler.is_enabled() and checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])  # else (another --amp before) it starts afresh
     try:
-        _restore_rng(checkpoint.get("rng") or {})
+        _restore_rng(checkpoint["rng"] or {})
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"--resume: the checkpoint's random generator states cannot be restored ({e}); "
                         "resume from another checkpoint, or start over with --overwrite") from None

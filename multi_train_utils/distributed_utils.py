@@ -257,11 +257,11 @@ def default_workers(sharing=1):
     return min(MAX_WORKERS, cores_per_process(sharing))
 
 
-def configure_cpu_threads(device, args=None, sharing=1):
+def configure_cpu_threads(device, threads=None, workers=None, sharing=1):
     """This process's share of the CPU, for ``sharing`` processes on its cores: torch's threads
-    (``--threads`` if given; else, on a CPU, its share of the cores, so that N ranks on one CPU
-    don't fight). Returns the loader workers: --workers, else ``default_workers``."""
-    threads, workers = getattr(args, "threads", None), getattr(args, "workers", None)
+    (``threads``, --threads, if given; else, on a CPU, its share of the cores, so that N ranks
+    on one CPU don't fight). Returns the loader workers: ``workers`` (--workers), else
+    ``default_workers``."""
     if threads:
         torch.set_num_threads(threads)
     elif device.type == "cpu":

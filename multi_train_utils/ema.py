@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from model import unwrap_model
+from multi_train_utils.model_setup import unwrap_model
 
 
 class ModelEma:

@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from tqdm import tqdm
 
 from multi_train_utils.errors import UserError
-from utils import FLOWER_PHOTOS_URL, list_images
+from multi_train_utils.data_split import FLOWER_PHOTOS_URL, list_images
 
 # As TensorFlow Datasets records them.
 FLOWER_PHOTOS_BYTES = 228_813_984

@@ -11,8 +11,10 @@ from multi_train_utils.errors import UserError, one_line, printable
 from multi_train_utils.files import write_bytes_atomic
 
 SUFFIX = ".pt2"  # torch.export.load goes by it
-RUN_FILE = "run.json"  # inside a .pt2: model, img_size, val_resize_size, mean, std, classes
-RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")
+RUN_FILE = "run.json"  # inside a .pt2: model, img_size, val_resize_size, channels, mean, std, classes
+RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")  # a .pt2 must have them
+# What an earlier export.py did not write, as its programs were: RGB.
+EARLIER_PROGRAMS = {"channels": 3}
 # torch.export's dynamic_shapes of the one input: any batch size, the rest as the example's
 ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
 
@@ -32,7 +34,8 @@ def export_program(model, example, path, run):
         raise UserError(f"torch.export cannot capture {run['model']} ({printable(why)}); see "
                         "https://pytorch.org/docs/stable/export.html for what it needs") from None
     buffer = io.BytesIO()
-    torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps({key: run[key] for key in RUN_KEYS})})
+    kept = {key: run[key] for key in (*RUN_KEYS, *EARLIER_PROGRAMS)}
+    torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps(kept)})
     write_bytes_atomic(buffer.getvalue(), path)
 
 
@@ -58,4 +61,4 @@ def load_program(path, device=None):
                         "export.py did not write); export it again with export.py")
     if device is not None and device.type != "cpu":
         program = torch.export.passes.move_to_device_pass(program, device)
-    return program.module(), run
+    return program.module(), {**EARLIER_PROGRAMS, **run}

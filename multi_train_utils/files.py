@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import tempfile
 
 import torch
@@ -56,6 +57,51 @@ def save_atomic(obj, path, before_replace=None):
     Every tensor is saved on the CPU (see ``cpu_tensors``)."""
     obj = cpu_tensors(obj)
     _atomic_write(path, lambda f: torch.save(obj, f), before_replace)
+
+
+def link_atomic(path, target):
+    """Make ``target`` the file ``path`` is, without writing its bytes again: a hard link
+    (one file on disk under two names), or a copy where the file system has no hard links;
+    atomically (``target`` is the old file or the new one, never a part)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(target)))
+    os.close(fd)
+    try:
+        os.remove(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, target)
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        full = disk_full_error(e, target) if isinstance(e, Exception) else None
+        if full is not None:  # the copy (no hard links here) did not fit
+            raise full from None
+        raise
+
+
+def folder_bytes(folder):
+    """(bytes, files) that ``folder`` and its sub-folders hold on disk, a file with several
+    names (hard links) counted once."""
+    seen = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                info = os.stat(os.path.join(root, name), follow_symlinks=False)
+            except OSError:  # gone meanwhile
+                continue
+            seen[(info.st_dev, info.st_ino)] = info.st_size
+    return sum(seen.values()), len(seen)
+
+
+def format_bytes(count):
+    """A byte count as people read it: 512 B, 43.6 MB, 1.2 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
 
 
 def cpu_tensors(obj):

@@ -191,34 +191,42 @@ def upright(img):
         return img
 
 
-def load_rgb(path):
-    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...), upright as its
-    EXIF orientation says.
+# The PIL mode an image file is read in, by the channels the data has.
+MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
-    Transparent pixels are put on a white background rather than whatever colour they hide.
+
+def load_rgb(path, channels=3):
+    """Open any image file as 8-bit RGB (grayscale, palette, CMYK, 16-bit...), upright as its
+    EXIF orientation says; with ``channels`` 1 as gray, with 4 as RGBA (alpha kept).
+
+    Transparent pixels are put on a white background rather than whatever colour they hide
+    (RGB and gray).
     """
     try:
         with Image.open(path) as img:
             img.load()
             img = upright(img)
+            if channels == 4:
+                return img.convert("RGBA")
             if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
                 rgba = img.convert("RGBA")
                 background = Image.new("RGB", rgba.size, (255, 255, 255))
                 background.paste(rgba, mask=rgba.getchannel("A"))
-                return background
+                return background.convert(MODES[channels])
             if img.mode.startswith("I;16"):
                 img = img.convert("I")
             if img.mode == "I":  # 16-bit grayscale: keep the top 8 bits
                 img = img.point(lambda v: v / 256).convert("L")
-            return img.convert("RGB")
+            return img.convert(MODES[channels])
     except Image.DecompressionBombError as e:
         raise UnreadableImage(f"cannot decode image {path}: {too_many_pixels(e)}") from None
     except (OSError, ValueError, SyntaxError) as e:
         raise UnreadableImage(f"cannot decode image {path} ({e}); delete or replace the file") from None
 
 
-def read_image_uint8(path, keep_side=None):
-    """An image file as a uint8 RGB tensor (3, H, W), upright as its EXIF orientation says.
+def read_image_uint8(path, keep_side=None, channels=3):
+    """An image file as a uint8 RGB tensor (3, H, W), upright as its EXIF orientation says
+    (``channels`` 1: gray (1, H, W); 4: RGBA, through PIL).
 
     JPEGs are decoded by TorchCodec where it is installed (``JPEG_DECODER`` says which), else
     by PIL; other formats and modes go through ``load_rgb``. With ``keep_side``, a JPEG whose
@@ -227,6 +235,8 @@ def read_image_uint8(path, keep_side=None):
     or cannot be opened or decoded is an UnreadableImage naming it.
     """
     data = _read_bytes(path)
+    if channels != 3:
+        return pil_to_tensor(load_rgb(path, channels))
     if data.startswith(JPEG_MAGIC) and decode_jpeg is not None:
         if keep_side:
             reduced = _decode_jpeg_reduced(data, keep_side, path)
@@ -275,25 +285,36 @@ def resize_size(img_size):
 
 AUTO_AUGMENT = {"ta_wide": v2.TrivialAugmentWide, "randaugment": v2.RandAugment, "autoaugment": v2.AutoAugment,
                 "augmix": v2.AugMix}
-# Random erasing fills with ImageNet's mean colour in 0-255: after normalisation that is 0,
-# what torchvision's references erase to (they erase the normalised float image).
-ERASE_VALUE = [round(255 * m) for m in IMAGENET_MEAN]
 
 
-def build_transforms(img_size, auto_augment="none", random_erase=0.0, val_resize_size=None):
-    """Train: random resized crop + horizontal flip, then an ``auto_augment`` policy
-    (ta_wide, randaugment, autoaugment, augmix) and random erasing with probability
-    ``random_erase`` where asked; val: resize (shorter side to ``val_resize_size``, default
+def erase_value(mean):
+    """Random erasing fills with the data's mean colour in 0-255 (ImageNet's by default): after
+    normalisation that is 0, what torchvision's references erase to (they erase the normalised
+    float image). Without a mean (None), black."""
+    return [round(255 * m) for m in mean] if mean is not None else 0
+
+
+ERASE_VALUE = erase_value(IMAGENET_MEAN)
+
+
+def build_transforms(img_size, auto_augment="none", random_erase=0.0, val_resize_size=None, hflip=0.5,
+                     fill=IMAGENET_MEAN):
+    """Train: random resized crop + horizontal flip with probability ``hflip`` (0: none, for
+    text, digits, left and right), then an ``auto_augment`` policy (ta_wide, randaugment,
+    autoaugment, augmix) and random erasing with probability ``random_erase`` where asked,
+    filling with the mean ``fill``; val: resize (shorter side to ``val_resize_size``, default
     ``resize_size(img_size)``) + center crop.
 
-    All work on uint8 tensors; conversion to float and normalisation with ImageNet's mean
+    All work on uint8 tensors; conversion to float and normalisation with the data's mean
     and std happen on the device, in the training loop (``DeviceNormalizer``).
     """
-    train = [v2.RandomResizedCrop(img_size, antialias=True), v2.RandomHorizontalFlip()]
+    train = [v2.RandomResizedCrop(img_size, antialias=True)]
+    if hflip > 0:
+        train.append(v2.RandomHorizontalFlip(p=hflip))
     if auto_augment and auto_augment != "none":
         train.append(AUTO_AUGMENT[auto_augment]())
     if random_erase > 0:
-        train.append(v2.RandomErasing(p=random_erase, value=ERASE_VALUE))
+        train.append(v2.RandomErasing(p=random_erase, value=erase_value(fill)))
     val = v2.Compose([v2.Resize(val_resize_size or resize_size(img_size), antialias=True), v2.CenterCrop(img_size)])
     return v2.Compose(train), val
 
@@ -304,14 +325,16 @@ class DeviceNormalizer:
     """Image batches from the loader -> normalised float batches on the device.
 
     uint8 batches (0-255, the built-in dataset's) are converted on the device: copying uint8
-    moves a quarter of the bytes of float32. Float batches are taken to be in [0, 1].
+    moves a quarter of the bytes of float32. Float batches are taken to be in [0, 1]. ``mean``
+    and ``std``: per channel (the data's; ImageNet's by default); None: no normalising (uint8
+    scaled to [0, 1], floats as they come).
     """
 
-    def __init__(self, device, channels_last=False):
+    def __init__(self, device, channels_last=False, mean=IMAGENET_MEAN, std=IMAGENET_STD):
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        mean = torch.tensor(mean if mean is not None else [0.0], device=device).view(1, -1, 1, 1)
+        std = torch.tensor(std if std is not None else [1.0], device=device).view(1, -1, 1, 1)
         # (mean, 1 / std) of pixel values: 0-255 for uint8 images, 0-1 for float ones
         self.uint8_constants = (mean * 255, 1 / (std * 255))
         self.float_constants = (mean, 1 / std)

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from model import read_weights
+from multi_train_utils.weights import read_weights
 from multi_train_utils.checkpoint import check_resume_compatible, find_resume_checkpoint
 from multi_train_utils.distributed_utils import check_on_every_rank, check_same_on_every_rank, current_job
 from multi_train_utils.errors import UserError
@@ -20,7 +20,7 @@ from multi_train_utils.example_data import (DEMO_MARKER, download_failure_marker
 from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.run_files import check_output_dir, read_run_classes
 from multi_train_utils.run_lock import RunLock, lock_output_dir
-from my_dataset import Datasets, MyDataSet
+from multi_train_utils.datasets import Datasets, MyDataSet, images_info
 
 
 class RunInputs(NamedTuple):
@@ -97,7 +97,7 @@ def _absolute_prefix(paths):
 def warn_if_files_changed(checkpoint, path, data):
     """A warning when the data's files differ from those of the run the checkpoint continues
     (a checkpoint written before the fingerprint existed: nothing to compare)."""
-    before, now = checkpoint.get("file_list"), file_list_fingerprint(data)
+    before, now = checkpoint["file_list"], file_list_fingerprint(data)
     if isinstance(before, dict) and now is not None and before.get("version") != now["version"]:
         now, before = {k: now[k] for k in ("train", "val")}, {k: before.get(k) for k in ("train", "val")}  # counts only
     if isinstance(before, dict) and now is not None and before != now:
@@ -175,15 +175,18 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
 
 def check_datasets(data):
     """What my_dataset.py's contract asks, checked before training: two datasets and 2 or more
-    class names; labels that fit them (``targets``, and the first item's label); and, for a
-    dataset other than MyDataSet, a first item (image, label) with image a uint8 CHW tensor
-    of 3 channels or a float one in [0, 1], label an integer."""
+    class names; a mean and std of one value per channel; labels that fit the classes
+    (``targets``, and the first item's label); and, for a dataset other than MyDataSet, a
+    first item (image, label) with image a uint8 CHW tensor of ``data.channels`` channels or
+    a float one (in [0, 1] unless the mean is None), label an integer."""
     if not all(hasattr(data, name) for name in ("train", "val", "classes")):
         raise UserError(f"my_dataset.build_datasets returned a {type(data).__name__}; return "
                         "Datasets(train, val, classes)")
     if len(data.classes) < 2:
         raise UserError(f"my_dataset.build_datasets: {len(data.classes)} class name(s) {list(data.classes)}; "
                         "a classifier needs at least 2")
+    channels, mean, _ = images_info(data)
+    _check_normalisation(data)
     for name, dataset in (("training", data.train), ("validation", data.val)):
         where = f"my_dataset.build_datasets: the {name} dataset"
         if len(dataset) == 0:
@@ -201,17 +204,40 @@ def check_datasets(data):
         image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
         is_label = isinstance(label, numbers.Integral) or (torch.is_tensor(label) and label.numel() == 1
                                                            and not label.is_floating_point())
-        if not (torch.is_tensor(image) and image.ndim == 3 and image.shape[0] == 3
+        if torch.is_tensor(image) and image.ndim == 3 and image.shape[0] != channels and is_label:
+            raise UserError(f"{where}'s first image has {image.shape[0]} channel{'s' * (image.shape[0] != 1)}, "
+                            f"the data says {channels} (Datasets.channels); give Datasets(..., "
+                            f"channels={image.shape[0]}) with a mean and std of as many values, or images of "
+                            f"{channels}")
+        if not (torch.is_tensor(image) and image.ndim == 3
                 and (image.dtype == torch.uint8 or image.is_floating_point()) and is_label):
             found = (f"{type(image).__name__} {tuple(image.shape)} {image.dtype}" if torch.is_tensor(image)
                      else type(image).__name__)
-            raise UserError(f"{where}'s items must be (image, label), image a uint8 or float CHW tensor with 3 "
-                            f"channels (e.g. v2.ToImage() in its transform), label an int; its first image is a "
-                            f"{found}, its label a {type(label).__name__}")
-        if image.is_floating_point() and float(image.max()) > 1:
+            raise UserError(f"{where}'s items must be (image, label), image a uint8 or float CHW tensor with "
+                            f"{channels} channel{'s' * (channels != 1)} (e.g. v2.ToImage() in its transform), label "
+                            f"an int; its first image is a {found}, its label a {type(label).__name__}")
+        if image.is_floating_point() and mean is not None and float(image.max()) > 1:
             raise UserError(f"{where}'s first image is float with values up to {float(image.max()):g}: give uint8 "
                             "images, or float ones in [0, 1] (v2.ToDtype(torch.float32, scale=True))")
         _check_labels([int(label)], len(data.classes), where + "'s first item")
+
+
+def _check_normalisation(data):
+    """Datasets.channels a whole number from 1; mean and std both given or both None, one
+    value per channel, std positive."""
+    channels, mean, std = images_info(data)
+    where = "my_dataset.build_datasets: Datasets"
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
+        raise UserError(f"{where}.channels is {channels!r}: give the images' channels, a whole number from 1")
+    if (mean is None) != (std is None):
+        raise UserError(f"{where}.mean is {mean!r} but std is {std!r}: give both (one value per channel) or "
+                        "both None (images used as they come)")
+    for name, values in (("mean", mean), ("std", std)):
+        if values is not None and len(values) != channels:
+            raise UserError(f"{where}.{name} has {len(values)} value{'s' * (len(values) != 1)}, the images have "
+                            f"{channels} channel{'s' * (channels != 1)}: give one value per channel")
+    if std is not None and min(std) <= 0:
+        raise UserError(f"{where}.std is {list(std)}: every value must be positive")
 
 
 def _check_labels(labels, num_classes, where):

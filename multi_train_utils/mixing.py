@@ -11,7 +11,7 @@ import torch
 from torchvision.transforms import v2
 
 from multi_train_utils.process import get_rank
-from my_dataset import sample_seed
+from multi_train_utils.loaders import sample_seed
 
 # Added to --seed so that the mixing is not the same stream as the model's or the augmentations'.
 _MIX_SALT = 15_485_863

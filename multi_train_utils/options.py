@@ -19,6 +19,11 @@ RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed")
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
+# The flags of the other script, with the values they have in this one: every setting the
+# engine reads is then there in both (a missing one is an error at start, see check_complete).
+SINGLE_PROCESS_SETTINGS = {"scale_lr": False, "sync_bn": False, "dist_backend": None, "dist_url": "env://",
+                           "dist_timeout": 1800, "local_rank": None, "spawn": 0}
+DDP_SETTINGS = {"data_parallel": False}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -111,6 +116,7 @@ def get_args_parser(distributed):
     else:
         parser.add_argument_group("multi-GPU").add_argument(
             "--data-parallel", action="store_true", help="nn.DataParallel over all visible GPUs (DDP is faster)")
+    parser.other_script_settings = DDP_SETTINGS if distributed else SINGLE_PROCESS_SETTINGS
     return parser
 
 
@@ -124,7 +130,8 @@ def add_common_flags(group, distributed):
     group.add_argument("--weights", default="",
                        help="initial weights: a .pth state dict, or a torchvision weights name such as DEFAULT "
                             "(downloads) (default: none, random init)")
-    group.add_argument("--epochs", type=POSITIVE_INT, default=30, help="number of epochs (counted from 0)")
+    group.add_argument("--epochs", type=POSITIVE_INT, default=30,
+                       help="how many epochs to train (the first is epoch 0)")
     group.add_argument("--batch-size", type=POSITIVE_INT, default=16, help="images per step per process")
     group.add_argument("--lr", type=POSITIVE, default=0.001,
                        help="initial learning rate" + (" of one process" if distributed else ""))
@@ -166,6 +173,9 @@ def add_recipe_flags(group):
     """Augmentation, loss, imbalance, optimizer, schedule and EMA (see docs/recipe.md)."""
     alpha = in_range(finite_float, lambda v: v >= 0, "not be negative (0: off)")
     smoothing = in_range(finite_float, lambda v: 0 <= v < 1, "be from 0 to 1 (below 1)")
+    group.add_argument("--hflip", type=FRACTION, default=0.5, metavar="P",
+                       help="flip each training image left-right with probability P (0: never, for text, digits, "
+                            "or classes that differ by side)")
     group.add_argument("--auto-augment", default="none",
                        choices=["none", "ta_wide", "randaugment", "autoaugment", "augmix"],
                        help="an automatic augmentation policy after the crop and flip")
@@ -253,9 +263,12 @@ def given_on_command_line(parser, argv):
 
 
 def parse_args(parser, argv=None):
-    """Parse flags and fill in --demo's defaults and --eval-only's run settings."""
+    """Parse flags and fill in --demo's defaults, --eval-only's run settings and the other
+    script's flags (with their values in this one)."""
     args = parser.parse_args(argv)
     given = given_on_command_line(parser, argv)
+    for key, value in parser.other_script_settings.items():
+        setattr(args, key, value)
     if args.demo:
         for key, value in DEMO_DEFAULTS.items():
             if key not in given:
@@ -268,7 +281,23 @@ def parse_args(parser, argv=None):
         args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
     check_numbers(args)
     check_data_flags(args, given)
+    check_complete(args)
     return args
+
+
+def setting_names():
+    """Every setting of the training scripts: the flags of both."""
+    return {key for distributed in (False, True) for key in vars(get_args_parser(distributed).parse_args([]))} | \
+        set(SINGLE_PROCESS_SETTINGS) | set(DDP_SETTINGS)
+
+
+def check_complete(args):
+    """A script whose flags lack a setting that the other has stops here, at the start, naming
+    it; the engine reads every setting as ``args.name`` and never supplies a default."""
+    missing = sorted(setting_names() - set(vars(args)))
+    if missing:
+        raise RuntimeError(f"the flags lack the settings {missing}: add them to options.get_args_parser "
+                           "(or to the other script's settings there)")
 
 
 def take_run_settings(args, given):
@@ -283,7 +312,7 @@ def take_run_settings(args, given):
         if key not in given and key in run_args:
             setattr(args, key, run_args[key])
     for key in DATA_FLAGS:
-        path = getattr(args, key, None)
+        path = getattr(args, key)
         if key not in given and path and not os.path.exists(path):
             raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
                             f"there any more; give --{key.replace('_', '-')}")
@@ -302,7 +331,7 @@ def check_numbers(args):
         raise UserError("--download and --demo do not go together: --demo generates its own data")
     if args.resume and args.eval_only:
         raise UserError("--resume and --eval-only do not go together; evaluate a checkpoint with --weights")
-    if getattr(args, "data_parallel", False) and args.compile:
+    if args.data_parallel and args.compile:
         raise UserError("--compile with --data-parallel: DataParallel's replicas would all run the GPU 0 copy; "
                         "use torchrun train_multi_gpu.py --compile (DDP) instead")
     if args.val_resize_size is not None and args.val_resize_size < args.img_size:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model import AutocastModule
 from multi_train_utils.errors import UserError
+from multi_train_utils.model_setup import AutocastModule
 from multi_train_utils.process import is_main_process
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,7 +180,7 @@ def optimize_model(model, args, device, precision=None):
             print(f"grad-checkpoint: recomputing {', '.join(stages)} in backward", flush=True)
     if args.compile:
         model = torch.compile(model)
-    if getattr(args, "data_parallel", False):
+    if args.data_parallel:
         model = wrap_data_parallel(model, device, precision)
     return model, channels_last
 

@@ -104,9 +104,21 @@ def _plot_sorted_counts(classes, train, val):
     return fig
 
 
+def displayable(image):
+    """A CHW image as matplotlib draws it: the first three channels as RGB (4-band data: its
+    fourth not shown), or the first as gray (1 or 2 channels), in [0, 1]; uint8 over 255, and
+    floats outside [0, 1] (data used as it comes) stretched from their lowest to their highest."""
+    image = image.detach().cpu().float() / (255.0 if image.dtype == torch.uint8 else 1.0)
+    image = image[:3] if image.shape[0] >= 3 else image[:1]
+    low, high = float(image.min()), float(image.max())
+    if low < 0 or high > 1:
+        image = (image - low) / max(high - low, 1e-12)
+    return image.permute(1, 2, 0).numpy() if image.shape[0] == 3 else image[0].numpy()
+
+
 def plot_batch_preview(images, labels, classes):
-    """A grid of augmented training images (uint8, or float in [0, 1], as the loader gives
-    them) with class names."""
+    """A grid of augmented training images (uint8, or float, as the loader gives them; any
+    channels, see ``displayable``) with class names."""
     classes = drawable(classes)
     n = len(images)
     cols = min(8, n)
@@ -116,8 +128,7 @@ def plot_batch_preview(images, labels, classes):
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, label in zip(axes.flat, images, labels):
-        image = image.detach().cpu().permute(1, 2, 0)
-        ax.imshow(image.numpy() if image.dtype == torch.uint8 else image.float().clamp(0, 1).numpy())
+        ax.imshow(displayable(image), cmap="gray", vmin=0, vmax=1)  # the colour map for gray images only
         ax.set_title(classes[int(label)], fontsize=8)
     fig.suptitle("a training batch after augmentation")
     return fig

@@ -3,16 +3,16 @@ import contextlib
 import os
 import time
 
-from model import plain_state_dict
-from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, resumes_in, rng_state, save_checkpoint,
+from multi_train_utils.model_setup import plain_state_dict
+from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, resumes_in, save_checkpoint,
                                           set_aside_damaged_checkpoint)
 from multi_train_utils.errors import MidRunError, one_line, resource_error
-from multi_train_utils.files import cpu_tensors, save_atomic
+from multi_train_utils.files import cpu_tensors, link_atomic, save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
 from multi_train_utils.inputs import file_list_fingerprint
 from multi_train_utils.process import get_world_size, is_main_process
-from multi_train_utils.run_files import (METRICS_HEADER, args_to_dict, clear_earlier_run, model_epoch_files,
+from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, args_to_dict, clear_earlier_run, images_of, model_epoch_files,
                                          write_metrics, write_run_settings)
 from multi_train_utils.summary import class_counts, print_end_summary
 from multi_train_utils.train_eval_utils import is_better
@@ -43,7 +43,7 @@ class RunRecorder:
         self.file_list = file_list_fingerprint(data) if self.enabled else None
         self.output_dir = args.output_dir
         checkpoint = checkpoint or {}
-        self.rows = list(checkpoint.get("metrics", []))
+        self.rows = list(checkpoint["metrics"]) if checkpoint else []
         # The best epoch by --best-metric, of the model or its EMA (state.best); kept on
         # every rank, since every rank decides alike when --patience runs out.
         self.state = state if state is not None else TrainState(None)
@@ -56,11 +56,12 @@ class RunRecorder:
         # The epoch of the checkpoint.pth in --output-dir that a resumed run would start from.
         self.saved_epoch = int(checkpoint["epoch"]) if checkpoint and resuming_here else None
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
-        self.log_dir = checkpoint.get("log_dir") if resuming_here else None
+        self.log_dir = checkpoint["log_dir"] if checkpoint and resuming_here else None
         self.log_dir = self.log_dir or os.path.join(
             args.log_dir, f"{os.path.basename(os.path.abspath(args.output_dir))}-{time.strftime('%Y%m%d-%H%M%S')}"
                           f"-{os.getpid()}")
         self.writer = None
+        self.resume_lines = []  # where a resumed run goes on: the start summary prints them
         if not self.enabled:
             return
         clear_earlier_run(args, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
@@ -68,11 +69,11 @@ class RunRecorder:
         os.makedirs(self.output_dir, exist_ok=True)
         if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
             run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
-        write_run_settings(self.output_dir, args, self.classes)  # args.json, class_indices.json
+        write_run_settings(self.output_dir, args, self.classes, images_of(data))  # args.json, class_indices.json
         if checkpoint:
-            self._report_resume(checkpoint, resume_path)
+            self.resume_lines = self._describe_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"],
-                                    (checkpoint.get("model_ema") or {}).get("weights"))
+                                    (checkpoint["model_ema"] or {}).get("weights"))
         else:
             write_metrics(self.output_dir, self.rows)
         from torch.utils.tensorboard import SummaryWriter  # slow import: only where needed
@@ -88,28 +89,36 @@ class RunRecorder:
                     f"epochs (--patience {patience}; best at epoch {best.epoch})")
         return None
 
-    def _report_resume(self, checkpoint, resume_path):
+    def _describe_resume(self, checkpoint, resume_path):
+        """Lines that say where a resumed run goes on (or that it is complete)."""
         epoch, world_size = int(checkpoint["epoch"]), self.world_size
         if self.state.stop_reason:
-            print(f"resuming from {resume_path}: the run is already complete ({self.state.stop_reason}); to train on, "
-                  "resume with a larger --patience, or 0", flush=True)
+            lines = [f"resuming from {resume_path}: the run is already complete ({self.state.stop_reason}); to train "
+                     "on, resume with a larger --patience, or 0"]
         elif epoch + 1 >= self.args.epochs:
-            print(f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
-                  "to train longer, run it again with a larger --epochs and --resume auto", flush=True)
+            lines = [f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
+                     "to train longer, run it again with a larger --epochs and --resume auto"]
         else:
-            print(f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}",
-                  flush=True)
-        if checkpoint.get("world_size", world_size) != world_size:
-            print(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
-                  f"{world_size}: the learning rate is scaled anew and the data order differs", flush=True)
+            optimizer = self.state.optimizer
+            now = f", at lr {optimizer.param_groups[0]['lr']:.3g}" if optimizer is not None else ""
+            lines = [f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}"
+                     + now]
+        if checkpoint["world_size"] not in (None, world_size):  # None: a checkpoint that did not say
+            lines.append(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
+                         f"{world_size}: the learning rate is scaled anew and the data order differs")
+        return lines
 
     def _write_epoch_files(self, epoch, weights, ema_weights=None):
         """Everything that follows from a checkpoint: model-{epoch}, model-best (the model's
-        weights or the EMA's, whichever scored better), metrics.csv."""
-        save_atomic(weights, os.path.join(self.output_dir, f"model-{epoch}.pth"))
+        weights, the same file as model-{epoch} under a second name, or the EMA's, whichever
+        scored better), metrics.csv."""
+        epoch_file, best_file = (os.path.join(self.output_dir, name) for name in (f"model-{epoch}.pth", BEST_WEIGHTS))
+        save_atomic(weights, epoch_file)
         if self.state.best.epoch == epoch:
-            best = ema_weights if self.state.best.source == "ema" and ema_weights is not None else weights
-            save_atomic(best, os.path.join(self.output_dir, "model-best.pth"))
+            if self.state.best.source == "ema" and ema_weights is not None:
+                save_atomic(ema_weights, best_file)
+            else:
+                link_atomic(epoch_file, best_file)  # the same bytes: not written twice
         write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
 
@@ -150,16 +159,9 @@ class RunRecorder:
                           f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}", f"{seconds:.3f}",
                           *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
-        save_checkpoint(self.output_dir, {
-            **state.state_dict(weights, ema_state),
-            "metrics": self.rows,
-            "args": args_to_dict(self.args),
-            "classes": list(self.classes),
-            "file_list": self.file_list,
-            "world_size": self.world_size,
-            "log_dir": self.log_dir,
-            "rng": rng_state(),
-        })
+        save_checkpoint(self.output_dir, build_checkpoint(
+            state, weights, ema_state, metrics=self.rows, args=args_to_dict(self.args), classes=self.classes,
+            file_list=self.file_list, world_size=self.world_size, log_dir=self.log_dir))
         self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)
         print(epoch_line(epoch, train_stats, eval_result, ema_result), flush=True)

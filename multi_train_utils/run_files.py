@@ -6,14 +6,17 @@ import csv
 import glob
 import os
 import re
+from typing import Any, List, NamedTuple, Optional, Sequence
 
-from model import check_input_size, create_model, load_exact_weights, load_state_dict_file
-from multi_train_utils.images import resize_size
 from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resumes_in
+from multi_train_utils.datasets import images_info
 from multi_train_utils.errors import UserError
 from multi_train_utils.exported import is_program
-from multi_train_utils.files import (NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL, check_fields,
-                                    read_json, write_csv_atomic, write_json_atomic)
+from multi_train_utils.files import (MAPPING_OR_NULL, NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL,
+                                    check_fields, read_json, write_csv_atomic, write_json_atomic)
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, resize_size
+from multi_train_utils.model_setup import ModelSpec, check_input_size
+from multi_train_utils.weights import load_exact_weights, load_state_dict_file
 
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
@@ -25,7 +28,8 @@ METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_secon
                   "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source"]
 # Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
-RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", "model-best.pth", METRICS_FILE, ARGS_FILE,
+BEST_WEIGHTS = "model-best.pth"
+RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", BEST_WEIGHTS, METRICS_FILE, ARGS_FILE,
              CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
              "curves.png", "confusion_matrix.png", "most_confused.png")
 # model-{epoch}.pth exactly as a run writes it: model-3.pth, never a user's model-03.pth.
@@ -33,7 +37,10 @@ EPOCH_WEIGHTS = r"model-(0|[1-9][0-9]*)\.pth"
 # The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
-                      "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL}
+                      "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL, "images": MAPPING_OR_NULL}
+# What the run's images are (Datasets' channels, mean and std), in args.json under "images";
+# a run written before they were kept had RGB images normalised with ImageNet's.
+RGB_IMAGENET = {"channels": 3, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
 # --- An earlier run in --output-dir ---------------------------------------------------------------
@@ -97,9 +104,18 @@ def args_to_dict(args):
     return values
 
 
-def write_run_settings(output_dir, args, classes):
-    """args.json (every flag of the run) and class_indices.json ({"0": "daisy", ...}), atomically."""
-    write_json_atomic(args_to_dict(args), os.path.join(output_dir, ARGS_FILE))
+def images_of(data):
+    """What the images of ``data`` (a Datasets) are, as args.json keeps it."""
+    channels, mean, std = images_info(data)
+    as_list = lambda values: None if values is None else [float(v) for v in values]  # noqa: E731
+    return {"channels": int(channels), "mean": as_list(mean), "std": as_list(std)}
+
+
+def write_run_settings(output_dir, args, classes, images=None):
+    """args.json (every setting of the run, and under "images" what its images are: default
+    RGB_IMAGENET) and class_indices.json ({"0": "daisy", ...}), atomically."""
+    images = images or RGB_IMAGENET
+    write_json_atomic({**args_to_dict(args), "images": images}, os.path.join(output_dir, ARGS_FILE))
     write_json_atomic({str(i): name for i, name in enumerate(classes)}, os.path.join(output_dir, CLASSES_FILE))
 
 
@@ -193,17 +209,42 @@ def trained_model_files(args):
 def read_val_resize_size(args, img_size):
     """Validation resize of the run that wrote --weights: --val-resize-size if given, else its
     args.json's, else the default for ``img_size`` (round(img_size x 256/224))."""
-    if getattr(args, "val_resize_size", None):
+    if args.val_resize_size:
         return args.val_resize_size
     run_args = read_run_args(os.path.dirname(os.path.abspath(args.weights)), hint="give --val-resize-size") or {}
     return run_args.get("val_resize_size") or resize_size(img_size)
 
 
-def load_trained_model(args):
-    """The trained model of --weights in eval mode, loaded strictly, with its image size and
-    class names (from the run's args.json and class_indices.json unless given)."""
+def read_run_images(weights):
+    """What the images of the run that wrote ``weights`` are ({"channels", "mean", "std"}):
+    its args.json's "images", else RGB with ImageNet's mean and std."""
+    run_dir = os.path.dirname(os.path.abspath(weights))
+    images = (read_run_args(run_dir) or {}).get("images") or RGB_IMAGENET
+    check_fields(images, {"channels": WHOLE_NUMBER}, os.path.join(run_dir, ARGS_FILE), "fix or delete it")
+    return {**RGB_IMAGENET, **images}
+
+
+class TrainedModel(NamedTuple):
+    """A run's trained model, in eval mode, and what it takes and tells."""
+
+    model: Any
+    name: str  # --model
+    img_size: int
+    classes: List[str]
+    channels: int = 3
+    mean: Optional[Sequence[float]] = IMAGENET_MEAN  # None: images used as they come
+    std: Optional[Sequence[float]] = IMAGENET_STD
+
+
+def load_trained_model(args, create_model):
+    """The trained model of --weights, made by the user's ``create_model`` (model.py) and
+    loaded strictly, with its image size, class names (from the run's args.json and
+    class_indices.json unless given) and what its images are."""
     name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
-    check_input_size(name, img_size)
-    model = create_model(name, len(classes))
+    images = read_run_images(args.weights)
+    spec = ModelSpec(create_model, name, len(classes), img_size, images["channels"])
+    check_input_size(spec)
+    model = spec.build()
     load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
-    return model.eval(), name, img_size, classes
+    return TrainedModel(model.eval(), name, img_size, classes, channels=images["channels"], mean=images["mean"],
+                        std=images["std"])

@@ -4,12 +4,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from model import count_parameters
-from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
+from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.example_data import DEMO_MARKER
-from multi_train_utils.files import csv_text, write_text_atomic
+from multi_train_utils.files import csv_text, folder_bytes, format_bytes, write_text_atomic
 from multi_train_utils.images import JPEG_DECODER
+from multi_train_utils.model_setup import count_parameters
 from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 
@@ -25,19 +25,26 @@ def describe_device(device):
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     if device.type == "cpu":
-        return f"cpu ({torch.get_num_threads()} threads)"
+        return f"cpu ({plural(torch.get_num_threads(), 'thread')})"
     return str(device)
 
 
-def print_start_summary(args, data, state, settings, device, workers=0, log_dir="-"):
-    """Devices, data, model (``state.model``), batch, learning rate and where everything goes;
-    rank 0 prints it."""
+def plural(count, word, many=None):
+    """"1 worker", "2 workers" ("1 process", "2 processes" with ``many``)."""
+    return f"{count} {word if count == 1 else many or word + 's'}"
+
+
+def print_start_summary(args, data, state, settings, device, workers=0, log_dir="-", resumed=()):
+    """Devices, data, model (``state.model``), batch, the learning-rate schedule (as the run
+    was started, also when it resumes), where everything goes, then the ``resumed`` lines (where
+    a resumed run goes on); rank 0 prints it."""
     if not is_main_process():
         return
     world_size, job = get_world_size(), current_job()
     launcher = "single process" if job is None else job.launcher
     backend = dist.get_backend() if is_dist_avail_and_initialized() else "-"
-    model, lr = state.model, state.optimizer.param_groups[0]["lr"]
+    group = state.optimizer.param_groups[0]
+    model, lr = state.model, group.get("initial_lr", group["lr"])  # the schedule's start, not where it stands
     print(RULE)
     if world_size > 1 and device.type == "cuda":
         where = f"one GPU per process ({torch.cuda.get_device_name(device)})"
@@ -51,9 +58,10 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
     total = count_parameters(model)
     print(f"model: {args.model} ({total:,} parameters"
           + (f", {trainable:,} trainable" if trainable != total else "") + ")")
-    print(f"batch: {args.batch_size} per process x {args.accum_steps} accumulation steps x {world_size} processes "
-          f"= {args.batch_size * args.accum_steps * world_size} per optimizer step; {workers} loader workers "
-          f"per process, JPEGs decoded by {JPEG_DECODER}")
+    print(f"batch: {args.batch_size} per process x {plural(args.accum_steps, 'accumulation step')} x "
+          f"{plural(world_size, 'process', 'processes')} = "
+          f"{args.batch_size * args.accum_steps * world_size} per optimizer step; {plural(workers, 'loader worker')} "
+          f"per process; {describe_decoders(data)}")
     scaled = f" ({args.lr:g} x {world_size} processes)" if lr != args.lr else ""
     warmup = f"{args.warmup_epochs} warm-up epochs, then " if args.warmup_epochs else ""
     schedule = (f"x {args.lr_gamma:g} every {args.lr_step_size} epochs" if args.lr_scheduler == "step" else
@@ -62,7 +70,26 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
     print("recipe: " + describe_recipe(args))
     print(f"outputs: {args.output_dir} (train.log, metrics.csv, model-best.pth, checkpoint.pth, plots)")
     print(f"TensorBoard: {log_dir}; view with: tensorboard --logdir {args.log_dir}")
+    for line in resumed:
+        print(line)
     print(RULE, flush=True)
+
+
+SAMPLED_FILES = 10_000  # the image files whose names describe_decoders reads (evenly spread)
+
+
+def describe_decoders(data):
+    """Which decoder reads the formats present among the training files (their endings, from
+    up to SAMPLED_FILES of them): JPEGs TorchCodec where installed, the rest PIL."""
+    paths = getattr(data.train, "images_path", None)
+    if paths is None:
+        return "images read by your dataset"
+    step = max(1, len(paths) // SAMPLED_FILES)
+    endings = {os.path.splitext(paths[i])[1].lower() for i in range(0, len(paths), step)}
+    jpeg = bool(endings & {".jpg", ".jpeg"})
+    others = sorted(e.lstrip(".").upper() for e in endings - {".jpg", ".jpeg"})
+    parts = ([f"JPEG decoded by {JPEG_DECODER}"] if jpeg else []) + ([f"{', '.join(others)} by PIL"] if others else [])
+    return "; ".join(parts) or "images decoded by PIL"
 
 
 def describe_recipe(args):
@@ -107,6 +134,9 @@ def print_end_summary(args, state, seconds, plots=()):
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
+    size, files = folder_bytes(output_dir)
+    print(f"disk: {output_dir} holds {format_bytes(size)} in {files} file{'s' * (files != 1)} (model-best.pth is the "
+          "best epoch's model-{epoch}.pth under a second name, not a copy, while that file is kept)")
     print(RULE, flush=True)
 
 

@@ -4,17 +4,18 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from model import set_train_mode
+from multi_train_utils.model_setup import set_train_mode
 from multi_train_utils.distributed_utils import all_reduce_sum, broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
-from multi_train_utils.images import DeviceNormalizer
+from multi_train_utils.datasets import images_info
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer
 from multi_train_utils.performance import Precision
 from multi_train_utils.process import get_world_size, is_main_process
 
@@ -46,11 +47,19 @@ class LoopSettings:
     accum_steps: int = 1  # micro-batches per optimizer step
     clip_grad: Optional[float] = None  # max gradient norm
     print_freq: int = 20  # steps between loss updates of the progress bar (each is a host sync)
+    mean: Optional[Sequence[float]] = IMAGENET_MEAN  # the data's, per channel (None: images used as they come)
+    std: Optional[Sequence[float]] = IMAGENET_STD
 
     @classmethod
-    def from_args(cls, args, precision, channels_last):
-        """The flags' settings, with the precision and memory format chosen for the device."""
-        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq)
+    def from_args(cls, args, precision, channels_last, data=None):
+        """The flags' settings, with the precision and memory format chosen for the device and
+        the normalisation of ``data`` (a Datasets; default ImageNet's)."""
+        _, mean, std = images_info(data) if data is not None else (3, IMAGENET_MEAN, IMAGENET_STD)
+        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq, mean=mean, std=std)
+
+    def normalizer(self, device):
+        """What moves a batch to ``device`` as normalised floats, in this memory format."""
+        return DeviceNormalizer(device, self.channels_last, self.mean, self.std)
 
 
 @dataclass
@@ -165,7 +174,7 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None):
     scaler = state.scaler or settings.precision.grad_scaler()
     set_train_mode(model)
     loss_function = (state.loss_function or nn.CrossEntropyLoss()).to(device)  # class weights on the device
-    to_device = DeviceNormalizer(device, settings.channels_last)
+    to_device = settings.normalizer(device)
     steps = len(data_loader)
     world_size = get_world_size()
     loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
@@ -282,7 +291,7 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
         model = model.module
     broadcast_buffers(model)
     model.eval()
-    to_device = DeviceNormalizer(device, settings.channels_last)
+    to_device = settings.normalizer(device)
     # One counter tensor, so one all-reduce: the confusion matrix, the top-5 hits, the images left out.
     cells = num_classes * num_classes
     top5 = num_classes > 5

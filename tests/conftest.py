@@ -53,6 +53,16 @@ def parse_flags(distributed, *flags):
     return parse_args(get_args_parser(distributed), list(flags))
 
 
+def full_flags(**given):
+    """The training scripts' settings as the engine receives them: every flag of both scripts at
+    its parser default (train_single.py's), with ``given`` instead."""
+    from argparse import Namespace
+
+    from multi_train_utils.options import SINGLE_PROCESS_SETTINGS, get_args_parser
+
+    return Namespace(**{**vars(get_args_parser(False).parse_args([])), **SINGLE_PROCESS_SETTINGS, **given})
+
+
 def help_blocks(parser):
     """{option string: its help text, on one line} from ``parser``'s --help."""
     blocks, current = {}, None

@@ -8,7 +8,10 @@ from torch.utils.data import BatchSampler, DistributedSampler
 from multi_train_utils.balance import (BalancedDistributedSampler, class_weights, find_imbalance,
                                        training_labels)
 from multi_train_utils.errors import UserError
-from my_dataset import EpochIndexSampler, MyDataSet, SeededSamples
+from multi_train_utils.loaders import EpochIndexSampler, SeededSamples
+
+# 10:1 imbalanced: 200 images of class 0, 20 of class 1, 20 of class 2 (interleaved, as a
+from multi_train_utils.datasets import MyDataSet
 
 # 10:1 imbalanced: 200 images of class 0, 20 of class 1, 20 of class 2 (interleaved, as a
 # dataset's order would be).

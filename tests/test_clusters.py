@@ -123,7 +123,7 @@ def test_loader_workers_divide_the_cores_among_the_processes_sharing_them(monkey
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")  # no worker is started here
 def test_validation_loader_has_at_most_two_workers_started_per_pass():
-    from my_dataset import MAX_VAL_WORKERS, make_loader
+    from multi_train_utils.loaders import MAX_VAL_WORKERS, make_loader
 
     data = [torch.zeros(3, 4, 4, dtype=torch.uint8)] * 4
     train = make_loader(data, [[0, 1]], 6, torch.device("cpu"))
@@ -135,7 +135,7 @@ def test_validation_loader_has_at_most_two_workers_started_per_pass():
 
 
 def test_sync_bn_is_opt_in_and_warns_with_compile(capsys):
-    from model import use_sync_bn
+    from multi_train_utils.model_setup import use_sync_bn
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert use_sync_bn(None, gpu, distributed=True) is False  # the default

@@ -9,7 +9,7 @@ import torch
 from conftest import Labelled
 from multi_train_utils.errors import UserError
 from multi_train_utils.example_data import extract_dataset
-from my_dataset import SeededSamples
+from multi_train_utils.loaders import SeededSamples
 from utils import read_label_files
 
 
@@ -111,7 +111,7 @@ def test_own_dataset_labels_below_0_or_from_the_class_count_on_are_refused(targe
     """my_dataset.py's contract (README: "label an int"; data.md: "checked against its contract"):
     labels in range(len(classes)); -1 is refused as 2 is, with one line saying the range."""
     from multi_train_utils.inputs import check_datasets
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     good = Labelled([0, 1, 1], readable=True)
     with pytest.raises(UserError, match=f"the validation dataset: labels run from {low} to {high}, but there are 2 "
@@ -127,7 +127,7 @@ def test_freeze_layers_trains_the_head_alone_not_a_layer_whose_name_starts_like_
     heads or head): a layer fc_hidden before the head fc stays frozen."""
     from torch import nn
 
-    from model import freeze_all_but_head
+    from multi_train_utils.model_setup import freeze_all_but_head
 
     class Net(nn.Module):
         def __init__(self):

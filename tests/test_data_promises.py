@@ -1,5 +1,4 @@
 """Promises of docs/data.md, docs/outputs.md, docs/recipe.md and docs/recipe_digits.md (tools/measure_recipe.py) that no other test pinned down; in-process."""
-import argparse
 import csv
 import importlib
 import os
@@ -9,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import REPO, parse_flags
+from conftest import REPO, parse_flags, full_flags
 
 DOCS = os.path.join(REPO, "docs")
 
@@ -86,7 +85,7 @@ def test_every_digits_run_gets_the_base_flags_that_recipe_digits_md_lists(measur
                         "--batch-size 64 --lr 0.01 --threads 1 --workers 0` plus:"]
     assert [line for line in lines if line.startswith("Every run: ")] == expected
     # and the flags' own values where they are not the defaults
-    other = argparse.Namespace(epochs=6, batch_size=32, lr=0.05, threads=2, parallel=3)
+    other = full_flags(epochs=6, batch_size=32, lr=0.05, threads=2, parallel=3)
     assert measure.base_flags(other) == ["--model", "resnet18", "--img-size", "32", "--device", "cpu", "--amp", "off",
                                          "--no-plots", "--epochs", "6", "--batch-size", "32", "--lr", "0.05",
                                          "--threads", "2", "--workers", "0"]
@@ -140,7 +139,7 @@ def test_each_run_trains_on_its_sets_folder_and_validates_on_the_shared_one(meas
         return types.SimpleNamespace(returncode=1)
 
     monkeypatch.setattr(measure.subprocess, "run", fake_run)
-    args = argparse.Namespace(data_dir=str(tmp_path / "d"), batch_size=4, epochs=4, lr=0.01, threads=1)
+    args = full_flags(data_dir=str(tmp_path / "d"), batch_size=4, epochs=4, lr=0.01, threads=1)
     for job in (("whole", "baseline", "", 1), ("imbalanced", "sampler", "--sampler balanced", 2)):
         measure.run_one(job, args, str(tmp_path))
     whole, imbalanced = (parse_flags(False, *command[2:]) for command in commands)
@@ -162,7 +161,7 @@ def test_a_run_that_failed_shows_a_dash_even_with_epochs_in_its_metrics(measure,
         return types.SimpleNamespace(returncode=1)
 
     monkeypatch.setattr(measure.subprocess, "run", fake_run)
-    args = argparse.Namespace(data_dir=str(tmp_path), batch_size=4, epochs=4, lr=0.01, threads=1)
+    args = full_flags(data_dir=str(tmp_path), batch_size=4, epochs=4, lr=0.01, threads=1)
     _, _, row, error = measure.run_one(("whole", "baseline", "", 0), args, str(tmp_path))
     assert row is None and error == "rc 1: killed at epoch 1"
     table = measure.summary_table("val_accuracy", [("whole", "baseline", "")], {("whole", "baseline", 0): row}, [0])
@@ -185,7 +184,7 @@ def test_overwrite_removes_every_file_of_the_list_and_keeps_exports_and_yours(tm
     kept = ["model-final-for-paper.pth", "model-best.pt2", "model-best.onnx", "model-best.torchscript.pt"]
     for name in ours + kept:
         (tmp_path / name).write_text(name)
-    clear_earlier_run(argparse.Namespace(output_dir=str(tmp_path), overwrite=True, resume=None), None)
+    clear_earlier_run(full_flags(output_dir=str(tmp_path), overwrite=True, resume=None), None)
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 
@@ -253,7 +252,7 @@ def test_the_end_summary_names_the_best_epoch_its_figure_and_whose_weights(capsy
     from multi_train_utils.summary import print_end_summary
 
     state = TrainState(None, epoch=10, best=BestEpoch(value=0.8125, accuracy=0.8125, epoch=7, source=source))
-    args = argparse.Namespace(output_dir="weights", best_metric="accuracy")
+    args = full_flags(output_dir="weights", best_metric="accuracy")
     print_end_summary(args, state, seconds=3725.4, plots=["curves", "confusion_matrix"])
     lines = capsys.readouterr().out.splitlines()
     assert "best val accuracy: 0.8125 at epoch 7; this session took 1h02m05s" in lines

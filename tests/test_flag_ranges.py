@@ -16,6 +16,7 @@ COMMON_RANGES = {
     "--lr": (["0", "-0.1"], ["1e-9"]),
     "--img-size": (["0"], ["1"]),
     "--workers": (["-1"], ["0"]),
+    "--hflip": (["-0.01", "1.01"], ["0", "1"]),
     "--random-erase": (["-0.01", "1.01"], ["0", "1"]),
     "--mixup-alpha": (["-0.01"], ["0"]),
     "--cutmix-alpha": (["-0.01"], ["0"]),
@@ -107,7 +108,7 @@ def test_val_resize_size_may_equal_img_size_but_not_go_below(script):
 
 @pytest.mark.parametrize("rate, ok", [(-0.01, False), (0.0, True), (0.999, True), (1.0, False)])
 def test_val_rate_is_at_least_0_and_below_1(rate, ok):
-    from utils import split_by_class
+    from multi_train_utils.data_split import split_by_class
 
     images, labels = [f"{i}.jpg" for i in range(2000)], [i % 2 for i in range(2000)]
     if ok:

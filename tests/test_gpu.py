@@ -107,7 +107,7 @@ def test_fp16_with_accumulation_and_clipping_resumes_with_its_loss_scale(tiny_da
     first = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "1", *flags)], env=ONE_GPU)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "amp: fp16, channels_last: on" in first.stdout
-    assert "batch: 4 per process x 2 accumulation steps x 1 processes = 8 per optimizer step" in first.stdout
+    assert "batch: 4 per process x 2 accumulation steps x 1 process = 8 per optimizer step" in first.stdout
     path = out / "checkpoint.pth"
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     assert checkpoint["scaler"] is not None and checkpoint["scaler"]["scale"] > 0

@@ -1,5 +1,4 @@
 """Promises of docs/guarantees.md, README.md and docs/flags.md that no other test pins down: restarts, orphans, --spawn, resume notes. In-process."""
-import argparse
 import ctypes
 import os
 import signal
@@ -10,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import help_blocks, parse_flags, stop_handlers
+from conftest import help_blocks, parse_flags, stop_handlers, full_flags
 
 
 # --- Elastic restarts ----------------------------------------------------------------------------
@@ -71,7 +70,7 @@ def test_a_loader_worker_dies_with_its_trainer_ignores_ctrl_c_and_leaves_quietly
     trainer" / "loader workers leave quietly" on SIGTERM. The loaders' worker_init_fn asks the
     kernel for SIGKILL when the trainer dies, ignores SIGINT and exits 0 on SIGTERM."""
     from multi_train_utils import signals
-    from my_dataset import make_loader
+    from multi_train_utils.loaders import make_loader
 
     loader = make_loader([0], None, 1, torch.device("cpu"))
     assert loader.worker_init_fn is signals.reset_in_worker
@@ -190,20 +189,22 @@ def test_spawn_exits_with_the_failed_processs_code(monkeypatch, exit_code, expec
 # --- Resuming with another number of processes ---------------------------------------------------
 
 def resumed_recorder(tmp_path, saved_world_size, world_size, capsys):
-    """What a RunRecorder prints when it resumes, in its own folder, from a checkpoint of epoch 1
-    written by ``saved_world_size`` processes, in a run of ``world_size``."""
-    from multi_train_utils.checkpoint import TrainState
+    """What a RunRecorder prints, and gives the start summary to print, when it resumes, in its
+    own folder, from a checkpoint of epoch 1 written by ``saved_world_size`` processes, in a run
+    of ``world_size``."""
+    from multi_train_utils.checkpoint import TrainState, complete_checkpoint
     from multi_train_utils.recorder import RunRecorder
 
     out = tmp_path / f"run-{saved_world_size}-{world_size}"
     args = parse_flags(False, "--model", "resnet18", "--epochs", "5", "--no-plots", "--output-dir", str(out),
                        "--log-dir", str(tmp_path / "tb"), "--resume", "auto")
-    checkpoint = {"epoch": 1, "model": {"w": torch.zeros(1)}, "metrics": [], "world_size": saved_world_size,
-                  "best_accuracy": 0.5, "best_value": 0.5, "best_epoch": 1}
-    recorder = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), TrainState(None), checkpoint=checkpoint,
+    checkpoint = complete_checkpoint({"epoch": 1, "model": {"w": torch.zeros(1)}, "metrics": [],
+                                      "world_size": saved_world_size, "best_accuracy": 0.5, "best_value": 0.5,
+                                      "best_epoch": 1})
+    recorder = RunRecorder(args, full_flags(classes=["a", "b"]), TrainState(None), checkpoint=checkpoint,
                            resume_path=str(out / "checkpoint.pth"), enabled=True, world_size=world_size)
     recorder.close()
-    return capsys.readouterr().out
+    return capsys.readouterr().out + "\n".join(recorder.resume_lines)
 
 
 def test_a_resume_with_another_number_of_processes_says_the_rate_is_scaled_anew(tmp_path, capsys):
@@ -226,7 +227,7 @@ FLAG_GROUPS = [
                 "--output-dir", "--resume", "--eval-only"]),
     ("data", ["--val-path", "--train-list", "--val-list", "--val-rate", "--check-images", "--num-classes",
               "--img-size", "--val-resize-size", "--workers", "--download", "--freeze-layers"]),
-    ("recipe", ["--auto-augment", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--label-smoothing",
+    ("recipe", ["--hflip", "--auto-augment", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--label-smoothing",
                 "--class-weights", "--sampler", "--opt", "--momentum", "--weight-decay", "--norm-bias-decay",
                 "--lr-scheduler", "--lrf", "--lr-step-size", "--lr-gamma", "--warmup-epochs", "--model-ema",
                 "--model-ema-decay", "--seed"]),
@@ -296,7 +297,7 @@ def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_bes
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step))
-    recorder = RunRecorder(args, argparse.Namespace(classes=["cat", "dog"]), state, enabled=True, world_size=1)
+    recorder = RunRecorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
     results = [EvalResult(torch.tensor([[2, 1], [0, 3]])), EvalResult(torch.tensor([[3, 0], [1, 2]]))]
     for epoch, result in enumerate(results):
         model.weight.grad = torch.ones_like(model.weight)
@@ -308,13 +309,12 @@ def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_bes
     recorder.close()
     saved = torch.load(out / "checkpoint.pth", weights_only=True)
     before = torch.load(out / "checkpoint-prev.pth", weights_only=True)
-    listed = {"model", "optimizer", "lr_scheduler", "epoch", "best_accuracy", "best_epoch", "metrics", "args",
-              "classes", "rng"}
+    listed = {"model", "optimizer", "epoch", "best_accuracy", "best_epoch", "metrics", "args", "classes", "rng"}
     assert listed <= set(saved) and listed <= set(before), listed - set(saved)
     assert (saved["epoch"], before["epoch"]) == (1, 0)
     assert torch.equal(saved["model"]["weight"], model.weight.detach())
     assert saved["optimizer"]["state"][0]["momentum_buffer"].shape == (2, 2)  # SGD's momentum
-    assert saved["lr_scheduler"]["last_epoch"] == 2 and before["lr_scheduler"]["last_epoch"] == 1
+    assert "lr_scheduler" not in saved  # never read: the schedule is rebuilt at the saved epoch
     assert (saved["best_accuracy"], saved["best_epoch"]) == (5 / 6, 0)  # epoch 1 ties 5/6: not better
     assert [row[0] for row in saved["metrics"]] == [0, 1] and [row[0] for row in before["metrics"]] == [0]
     assert saved["args"]["seed"] == 5 and saved["args"]["model"] == "resnet18"

@@ -16,10 +16,12 @@ from conftest import FAST, PROBE, PYTHON, outcome, run, torchcodec_decodes
 import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
+from multi_train_utils.checkpoint import complete_checkpoint
 from multi_train_utils.inputs import file_list_fingerprint, read_inputs, warn_if_files_changed
 from multi_train_utils.options import get_args_parser, parse_args
 from multi_train_utils.run_log import RunLog
-from my_dataset import MyDataSet, build_datasets, image_file_datasets
+from my_dataset import build_datasets
+from multi_train_utils.datasets import MyDataSet, image_file_datasets
 from predict import ImageFiles
 from utils import read_label_files, read_split_data
 
@@ -330,6 +332,7 @@ def test_a_resume_whose_files_differ_from_the_checkpoints_warns(hostile_run, cap
                         "moved); training goes on with the files as they are now, so the run will not repeat the "
                         "original exactly"]
     same = dict(inputs.checkpoint, file_list=file_list_fingerprint(inputs.data))
-    for checkpoint in (same, {k: v for k, v in same.items() if k != "file_list"}):  # the same files; an old checkpoint
+    old = complete_checkpoint({k: v for k, v in same.items() if k != "file_list"})  # as load_checkpoint reads one
+    for checkpoint in (same, old):  # the same files; an old checkpoint
         warn_if_files_changed(checkpoint, "x", inputs.data)
         assert capsys.readouterr().out == ""

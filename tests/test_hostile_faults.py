@@ -1,7 +1,6 @@
 """Faults answered with one line instead of a traceback: a full disk, exhausted memory, flags
 that are not finite numbers, image sizes and batches a model cannot take, run files whose
 fields are of the wrong kind."""
-import argparse
 import errno
 import json
 import os
@@ -10,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import MODEL, PYTHON, run, script, train_args
+from conftest import MODEL, PYTHON, run, script, train_args, full_flags
 from multi_train_utils import checkpoint as ckpt
 from multi_train_utils.errors import ResourceError, UserError, run_cli
 
@@ -200,9 +199,9 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
 
     from multi_train_utils.train_eval_utils import EvalResult
 
-    args = argparse.Namespace(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
+    args = full_flags(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")
-    resumed = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False, checkpoint=state(3),
+    resumed = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
                           resume_path=str(tmp_path / "checkpoint.pth"))
     with pytest.raises(ResourceError) as raised:
         with resumed.explain_faults():
@@ -210,7 +209,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
     assert str(raised.value) == (f"out of memory: could not allocate a block of 30.0 GB; use a smaller --batch-size "
                                  f"or --img-size; {tmp_path / 'checkpoint.pth'} (epoch 3) is intact: continue from it "
                                  "with --resume auto")
-    fresh = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False)
+    fresh = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False)
     with pytest.raises(ResourceError, match=r"free space on that disk; no checkpoint was written yet$"):
         with fresh.explain_faults():
             raise ResourceError("disk full: could not write x (No space left on device); free space on that disk")
@@ -223,7 +222,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
             raise ValueError("a bug")
     # resumed from a checkpoint of another folder: nothing of this run's folder is intact yet
     elsewhere = tmp_path / "elsewhere" / "checkpoint.pth"
-    moved = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False, checkpoint=state(3),
+    moved = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
                         resume_path=str(elsewhere))
     with pytest.raises(ResourceError) as raised:
         with moved.explain_faults():
@@ -273,11 +272,11 @@ def test_every_float_flag_refuses_nan_and_inf_before_anything_starts(capsys):
 
 def model_args(**overrides):
     values = dict(model="resnet18", img_size=32, batch_size=2, eval_only=False, freeze_layers=False, weights="")
-    return argparse.Namespace(**dict(values, **overrides))
+    return full_flags(**dict(values, **overrides))
 
 
 def test_an_image_size_the_model_cannot_take_is_refused_naming_the_size(tmp_path):
-    from model import build_model, check_input_size
+    from multi_train_utils.model_setup import build_model, check_input_size
     from multi_train_utils.run_files import load_trained_model
 
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images; use --img-size 224$"):
@@ -294,12 +293,13 @@ def test_an_image_size_the_model_cannot_take_is_refused_naming_the_size(tmp_path
     (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b"}))
     (tmp_path / "model-best.pth").write_bytes(b"not read")
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images"):
-        load_trained_model(argparse.Namespace(weights=str(tmp_path / "model-best.pth"), model=None, img_size=None,
+        load_trained_model(full_flags(weights=str(tmp_path / "model-best.pth"), model=None, img_size=None,
                                               class_indices=None))
 
 
 def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fail():
-    from model import build_model, check_input_size, create_model
+    from model import create_model
+    from multi_train_utils.model_setup import build_model, check_input_size
 
     def trains(img_size):  # what torch itself says, on real tensors
         try:
@@ -421,7 +421,7 @@ def test_each_run_logs_to_a_tensorboard_folder_of_its_own(tmp_path):
 
     from multi_train_utils.recorder import RunRecorder
 
-    args = argparse.Namespace(output_dir=str(tmp_path / "a" / "exp"), log_dir=str(tmp_path / "tb"), patience=0,
+    args = full_flags(output_dir=str(tmp_path / "a" / "exp"), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")
-    log_dir = RunRecorder(args, argparse.Namespace(classes=["a", "b"]), enabled=False).log_dir
+    log_dir = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False).log_dir
     assert re.fullmatch(re.escape(str(tmp_path / "tb" / "exp")) + rf"-\d{{8}}-\d{{6}}-{os.getpid()}", log_dir), log_dir

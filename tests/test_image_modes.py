@@ -123,7 +123,7 @@ def test_a_portrait_photo_is_turned_upright_on_every_decoder(tmp_path, decoder, 
 def test_predict_and_the_dataset_read_every_mode_as_the_decoder_does(tmp_path):
     """The dataset of training and validation, and predict.py's loader, take the decoder's pixels
     (their transforms at the image's own size change no pixel)."""
-    from my_dataset import MyDataSet
+    from multi_train_utils.datasets import MyDataSet
     from predict import ImageFiles
 
     files = two_pixel_files(tmp_path)

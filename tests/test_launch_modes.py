@@ -1,6 +1,7 @@
 """Every way of starting training, end to end on CPU: files written and metrics rows."""
 import glob
 import os
+import re
 import shlex
 
 from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHRUN, assert_run_outputs,
@@ -29,7 +30,9 @@ def test_python_train_single(single_run):
     assert ".hidden" not in stdout and "notes.txt" not in stdout
     assert f"({CORES} threads)" in stdout  # one process gets all the cores
     assert (single_run["probe"]["loader_workers"], single_run["probe"]["threads"]) == (1, CORES)  # --workers 1
-    assert f"loader workers per process, JPEGs decoded by {images.JPEG_DECODER}" in stdout
+    # the decoder of each format present: JPEGs by TorchCodec (where installed), the PNG, BMP, ... by PIL
+    assert f"loader worker per process; JPEG decoded by {images.JPEG_DECODER}; " in stdout
+    assert re.search(r"; [A-Z, ]*PNG[A-Z, ]* by PIL\n", stdout), stdout
     assert_default_precision(stdout, [single_run["probe"]])  # the fast defaults, printed and used
     # TensorBoard events from rank 0
     assert glob.glob(single_run["out"] + "-tb/*/events.out.tfevents.*")
@@ -41,7 +44,7 @@ def test_torchrun_two_processes(ddp_run):
     assert_default_precision(stdout, ddp_run["probe"])
     assert "world size: 2 (torchrun, backend gloo)" in stdout
     assert stdout.count("split: 36 train, 7 val images") == 1  # only rank 0 prints
-    assert "batch: 4 per process x 1 accumulation steps x 2 processes = 8 per optimizer step" in stdout
+    assert "batch: 4 per process x 1 accumulation step x 2 processes = 8 per optimizer step" in stdout
     assert "lr: 0.002" in stdout  # 0.001 scaled by the world size
     assert f"({max(1, CORES // 2)} threads)" in stdout  # the cores shared by 2 processes
     assert [(r["loader_workers"], r["threads"]) for r in ddp_run["probe"]] == [(0, max(1, CORES // 2))] * 2

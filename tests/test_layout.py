@@ -1,7 +1,8 @@
 """The shape of the code, read with ``ast``: imports go one way, without circles.
 
-Entry scripts and the side programs (tools/) -> the recipe's steps (multi_train_utils/) -> model.py, my_dataset.py, utils.py
--> base modules (errors, file writing, the image pipeline and files, signals, train.log). A module may
+Entry scripts and the side programs (tools/) -> your files (model.py, my_dataset.py, utils.py) ->
+the engine: the recipe's steps (multi_train_utils/) -> base modules (errors, file writing, the
+image pipeline and files, signals, train.log). The engine never imports your files. A module may
 import from its own layer or the ones below, never above; no project import hides inside a
 function; every module opens with a one-line docstring; utils.py stays small;
 train_multi_gpu.py is train_single.py plus its DDP steps; no call passes more than 5
@@ -17,7 +18,7 @@ ENTRY_SCRIPTS = {"train_single", "train_multi_gpu", "predict", "export", "benchm
 SHARED = {"model", "my_dataset", "utils"}
 BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.process", "multi_train_utils.files", "multi_train_utils.file_list", "multi_train_utils.images",
         "multi_train_utils.signals", "multi_train_utils.run_log"}
-ENTRY, STEPS, SHARED_LAYER, BASE_LAYER = 3, 2, 1, 0
+ENTRY, SHARED_LAYER, STEPS, BASE_LAYER = 3, 2, 1, 0
 
 
 def project_modules():

@@ -166,10 +166,10 @@ def test_a_process_takes_its_share_of_threads_and_workers_not_the_machines(monke
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     before = torch.get_num_threads()
     try:
-        got = distributed_utils.configure_cpu_threads(torch.device("cpu"), None, sharing=sharing)
+        got = distributed_utils.configure_cpu_threads(torch.device("cpu"), sharing=sharing)
         assert (torch.get_num_threads(), got) == (threads, workers)
-        flags = type("Args", (), {"threads": 3, "workers": 0})()  # --threads and --workers win
-        assert distributed_utils.configure_cpu_threads(torch.device("cpu"), flags, sharing=sharing) == 0
+        # --threads 3 and --workers 0 win
+        assert distributed_utils.configure_cpu_threads(torch.device("cpu"), 3, 0, sharing=sharing) == 0
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

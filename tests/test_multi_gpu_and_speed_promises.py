@@ -1,5 +1,4 @@
 """docs/multi-gpu.md, docs/performance.md and docs/layout.md: the doctor's, benchmark.py's and the DDP helpers' figures, defaults and conditions, in-process."""
-import argparse
 import contextlib
 import io
 import json
@@ -330,7 +329,7 @@ def test_the_start_up_line_prints_the_effective_batch_of_every_process_and_accum
     from multi_train_utils import summary
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.train_eval_utils import LoopSettings
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     class Labelled(torch.utils.data.Dataset):
         def __init__(self, targets):

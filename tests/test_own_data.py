@@ -45,7 +45,7 @@ def test_imagefolder_trains_in_one_process_with_its_pictures(image_folders, tmp_
                                                                    "--threads", "1", "--workers", "1")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert_exact_accuracy(result.stdout, str(out), epochs=1)
-    assert "device: cpu (1 threads)" in result.stdout
+    assert "device: cpu (1 thread)" in result.stdout
     assert "6 daisy, 6 dandelion, 5 roses, 5 sunflowers, 5 tulips" in result.stdout  # train 4 each + val 2,2,1,1,1
     assert "split: 20 train, 7 val images" in result.stdout
     for name in ("class_distribution.png", "batch_preview.png", "curves.png", "confusion_matrix.png"):
@@ -179,7 +179,7 @@ def test_datasets_that_break_the_contract_are_refused_in_one_line():
 
     from multi_train_utils.errors import UserError
     from multi_train_utils.inputs import check_datasets
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     class Items(torch.utils.data.Dataset):
         def __init__(self, item, targets=None):
@@ -196,7 +196,7 @@ def test_datasets_that_break_the_contract_are_refused_in_one_line():
     good = Items((torch.zeros(3, 8, 8, dtype=torch.uint8), 1), targets=[0, 1, 1])
     check_datasets(Datasets(good, Items((torch.rand(3, 8, 8), 0)), ["a", "b"]))  # uint8 and float both fit
     for bad, expected in ((Items((Image.new("RGB", (8, 8)), 0)), "its first image is a Image"),
-                          (Items((torch.zeros(1, 8, 8), 0)), "its first image is a Tensor (1, 8, 8) torch.float32"),
+                          (Items((torch.zeros(1, 8, 8), 0)), "first image has 1 channel, the data says 3"),
                           (Items((torch.zeros(3, 8, 8), "a")), "label an int"),
                           (Items((torch.zeros(3, 8, 8), torch.tensor(1.0))), "label an int"),
                           (Items((torch.full((3, 8, 8), 255.0), 0)), "float with values up to 255"),
@@ -230,7 +230,7 @@ def test_items_asked_by_epoch_draw_seeded_randomness_from_torch_and_python():
 
     import torch
 
-    from my_dataset import SeededSamples
+    from multi_train_utils.loaders import SeededSamples
 
     class Draws(torch.utils.data.Dataset):
         def __len__(self):

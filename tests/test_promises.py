@@ -222,7 +222,7 @@ def hand_computed_val_loss(weights, tiny_data, img_size=32):
     normalised by hand with ImageNet's mean and std."""
     import torchvision
 
-    from my_dataset import MyDataSet
+    from multi_train_utils.datasets import MyDataSet
     from multi_train_utils.images import build_transforms
     from utils import read_split_data
 

@@ -1,6 +1,5 @@
 """In-process checks of README promises no other test guards: resume, locks, SLURM, metrics, predict, flags,
 offline use, --download, the doctor, what a run shows and draws, speed settings, the layout, stopping."""
-import argparse
 import csv
 import errno
 import json
@@ -12,7 +11,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import CLASSES, Labelled, help_blocks, stop_handlers, train_args
+from conftest import CLASSES, Labelled, help_blocks, stop_handlers, train_args, full_flags
 from multi_train_utils.checkpoint import TrainState
 
 
@@ -103,7 +102,7 @@ def test_resume_with_another_model_or_freeze_layers_is_refused_naming_both_value
     cases = [("model", "resnet50", "trained with --model resnet18, this run has --model resnet50"),
              ("freeze_layers", True, "trained with --no-freeze-layers, this run has --freeze-layers")]
     for flag, value, message in cases:
-        changed = argparse.Namespace(**dict(vars(args), **{flag: value}))
+        changed = full_flags(**dict(vars(args), **{flag: value}))
         with pytest.raises(UserError) as error:
             check_resume_compatible(saved, "ckpt", changed, CLASSES, 4)
         assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
@@ -132,11 +131,11 @@ def test_a_fresh_resume_auto_start_replaces_only_the_files_of_an_unfinished_atte
     attempt = ["metrics.csv", "args.json", "class_indices.json", "train.log", ".metrics.csv.abcd1234.tmp"]
     kept = ["notes.txt", "model-final.pth", "run.lock"]  # the user's files, and the lock this run holds
     touch(out, *attempt, *kept)
-    clear_earlier_run(argparse.Namespace(output_dir=str(out), overwrite=False, resume="auto"), None)
+    clear_earlier_run(full_flags(output_dir=str(out), overwrite=False, resume="auto"), None)
     assert sorted(os.listdir(out)) == sorted(kept)
     # resuming from a checkpoint: only the unfinished write's temporary file goes
     touch(out, *attempt)
-    clear_earlier_run(argparse.Namespace(output_dir=str(out), overwrite=False, resume="auto"), {"epoch": 0})
+    clear_earlier_run(full_flags(output_dir=str(out), overwrite=False, resume="auto"), {"epoch": 0})
     assert sorted(os.listdir(out)) == sorted(set(attempt + kept) - {".metrics.csv.abcd1234.tmp"})
 
 
@@ -225,7 +224,7 @@ def test_args_json_holds_every_flag_with_absolute_data_paths(tmp_path, monkeypat
         with open(tmp_path / "args.json") as f:
             saved = json.load(f)
         flags = {action.dest for action in parser._actions if action.dest != "help"}  # argparse's own list
-        assert set(saved) == flags
+        assert set(saved) == flags | set(parser.other_script_settings) | {"images"}  # and what its images are
         assert (saved["data_path"], saved["val_path"]) == (os.path.join(here, "data/x"), os.path.join(here, "data/v"))
         assert saved["weights"] == "" and saved["resume"] is None and saved["epochs"] == 30
         with open(tmp_path / "class_indices.json") as f:
@@ -315,7 +314,7 @@ def test_images_per_second_counts_every_ranks_images_and_leaves_out_the_first_tw
             return self.linear(x.flatten(1))
 
     class Loader(list):
-        batch_sampler = argparse.Namespace(batch_size=4)
+        batch_sampler = full_flags(batch_size=4)
 
     loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
     model = Timed()
@@ -382,7 +381,7 @@ def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     ema = ModelEma(model, 0.9) if ema_results else None
     state = TrainState(model, optimizer, scheduler, ema=ema)
-    recorder = RunRecorder(args, argparse.Namespace(classes=classes), state, enabled=True)
+    recorder = RunRecorder(args, full_flags(classes=classes), state, enabled=True)
     weights = []
     for epoch, result in enumerate(results):
         with torch.no_grad():
@@ -465,10 +464,10 @@ def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, mo
     path = tmp_path / "out" / "checkpoint.pth"
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     args = run_args(tmp_path)
-    resumed = RunRecorder(args, argparse.Namespace(classes=CLASSES), enabled=False, checkpoint=checkpoint,
+    resumed = RunRecorder(args, full_flags(classes=CLASSES), enabled=False, checkpoint=checkpoint,
                           resume_path=str(path))
     assert resumed.log_dir == first.log_dir and os.path.isdir(first.log_dir)
-    elsewhere = RunRecorder(run_args(tmp_path / "new"), argparse.Namespace(classes=CLASSES), enabled=False,
+    elsewhere = RunRecorder(run_args(tmp_path / "new"), full_flags(classes=CLASSES), enabled=False,
                             checkpoint=checkpoint,
                             resume_path=str(path))
     assert os.path.dirname(elsewhere.log_dir) == str(tmp_path / "new" / "tb")
@@ -552,7 +551,7 @@ def test_auto_augment_randaugment_and_autoaugment_reach_the_transforms(policy, t
     from torchvision.transforms import v2
 
     from my_dataset import augment_settings
-    from utils import build_transforms
+    from multi_train_utils.images import build_transforms
 
     train, _ = build_transforms(32, **augment_settings(run_args(tmp_path, "--auto-augment", policy)))
     kinds = [type(t) for t in train.transforms]
@@ -760,7 +759,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     from multi_train_utils.run_files import write_run_settings
     from multi_train_utils.summary import report_evaluation
     from multi_train_utils.train_eval_utils import EvalResult
-    from my_dataset import Datasets, MyDataSet
+    from multi_train_utils.datasets import Datasets, MyDataSet
 
     classes = ["../../escaped", "../sibling", "..", "c\\d", "e"]
     out, evaluation = tmp_path / "deep" / "out", tmp_path / "deep" / "eval"
@@ -938,7 +937,7 @@ def test_weights_default_asks_torchvision_for_the_models_default_weights(monkeyp
     """ResNet-50's DEFAULT is IMAGENET1K_V2 in torchvision, not the first weights it lists."""
     import torchvision
 
-    from model import read_weights
+    from multi_train_utils.weights import read_weights
 
     asked = []
 
@@ -959,16 +958,17 @@ def test_an_own_nn_module_returned_by_create_model_trains(tiny_data, tmp_path, m
     """README's example: create_model returns a small Sequential for --model tiny; a run
     trains it (the loss moves its weights) and saves weights that load into it strictly."""
     import model as model_module
+    import train_single
 
     torchvision_model = model_module.create_model
 
-    def create_model(name="resnet34", num_classes=5):
+    def create_model(name="resnet34", num_classes=5, channels=3):
         if name == "tiny":
-            return nn.Sequential(nn.Conv2d(3, 32, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            return nn.Sequential(nn.Conv2d(channels, 32, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                                  nn.Flatten(), nn.Linear(32, num_classes))
-        return torchvision_model(name, num_classes)
+        return torchvision_model(name, num_classes, channels)
 
-    monkeypatch.setattr(model_module, "create_model", create_model)
+    monkeypatch.setattr(train_single, "create_model", create_model)  # what the entry script hands the engine
     torch.manual_seed(0)  # the run's own seed decides its initial weights (--seed 0)
     initial = create_model("tiny", 5).state_dict()
     failure = None
@@ -1001,7 +1001,7 @@ def test_device_auto_takes_mps_where_there_is_no_cuda(monkeypatch):
 def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, monkeypatch):
     from multi_train_utils import recorder as recorder_module
     from multi_train_utils.recorder import RunRecorder
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     class Preview(torch.utils.data.Dataset):  # what batch_preview.png draws, asked as (epoch, index)
         def __len__(self):
@@ -1071,7 +1071,7 @@ def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, wo
     from multi_train_utils import summary
     from multi_train_utils.summary import print_start_summary
     from multi_train_utils.train_eval_utils import LoopSettings
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     monkeypatch.chdir(tmp_path)
     args = parse_args(get_args_parser(True), ["--model", "resnet18", *flags])
@@ -1112,7 +1112,7 @@ def test_the_training_bar_shows_images_per_second_the_eta_and_the_loss(capsys):
     from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
     class Loader(list):
-        batch_sampler = argparse.Namespace(batch_size=4)
+        batch_sampler = full_flags(batch_size=4)
 
     torch.manual_seed(0)
     loader = Loader((torch.rand(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])) for _ in range(6))
@@ -1414,15 +1414,15 @@ def test_training_images_keep_twice_the_crop_size(monkeypatch):
     of a quarter of the image lose nothing), and to the resize size for validation."""
     import types
 
-    import my_dataset
+    import multi_train_utils.datasets as my_dataset
 
     split = types.SimpleNamespace(train_images_path=["t.jpg"], train_images_label=[0], val_images_path=["v.jpg"],
                                   val_images_label=[0], classes=["a"], skipped=[], skip_reasons={}, notes=[])
     read = []
 
-    def read_image_uint8(path, keep_side=None):
+    def read_image_uint8(path, keep_side=None, channels=3):
         read.append((path, keep_side))
-        return torch.zeros(3, 100, 100, dtype=torch.uint8)
+        return torch.zeros(channels, 100, 100, dtype=torch.uint8)
 
     monkeypatch.setattr(my_dataset, "read_image_uint8", read_image_uint8)
     data = my_dataset.image_file_datasets(split, 32)
@@ -1434,7 +1434,7 @@ def test_training_images_keep_twice_the_crop_size(monkeypatch):
 def test_pin_memory_on_cuda_only():
     from torch.utils.data import BatchSampler
 
-    from my_dataset import make_loader
+    from multi_train_utils.loaders import make_loader
 
     data = list(range(4))
     sampler = BatchSampler(range(4), 2, drop_last=False)
@@ -1633,5 +1633,5 @@ def test_the_ranks_compare_the_epoch_of_their_checkpoint_none_apart_from_epoch_0
     seen = []
     monkeypatch.setattr(inputs, "_read_inputs", lambda *a, **k: inputs.RunInputs(None, None, None, checkpoint, None))
     monkeypatch.setattr(inputs, "check_same_on_every_rank", lambda value, device, what: seen.append((value, what)))
-    assert inputs.read_inputs(argparse.Namespace(), None, torch.device("cpu")).checkpoint is checkpoint
+    assert inputs.read_inputs(full_flags(), None, torch.device("cpu")).checkpoint is checkpoint
     assert seen == [(compared, "the checkpoint to resume from")]

@@ -1,7 +1,6 @@
 """The modern recipe: augmentation, MixUp/CutMix, label smoothing, EMA, AdamW and schedules,
 class weights and the balanced sampler, --best-metric and --patience; each exact under DDP
 and on resume. Expected values are computed here by hand, not by the code under test."""
-import argparse
 import json
 import math
 import os
@@ -15,9 +14,10 @@ from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, pro
                       run_ranks, script, train_args)
 
 from multi_train_utils.checkpoint import BestEpoch, TrainState
+from conftest import full_flags  # noqa: E402
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
-CLASSES_AB = argparse.Namespace(classes=["a", "b"])  # the data, as far as RunRecorder reads it
+CLASSES_AB = full_flags(classes=["a", "b"])  # the data, as far as RunRecorder reads it
 
 
 def recipe_args(**changes):
@@ -120,7 +120,7 @@ def test_label_smoothing_and_class_weights_follow_their_formulas():
 
 def test_balanced_class_weights_come_from_the_training_counts():
     from multi_train_utils.balance import loss_class_weights
-    from my_dataset import MyDataSet
+    from multi_train_utils.datasets import MyDataSet
 
     train = MyDataSet(["x"] * 8, [0] * 6 + [1] * 2)
     assert loss_class_weights(recipe_args(), train, 2) is None
@@ -134,7 +134,7 @@ def test_the_loop_mixes_each_batch_and_updates_the_ema_after_each_optimizer_step
     from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
     class Loader(list):
-        batch_sampler = argparse.Namespace(batch_size=4)
+        batch_sampler = full_flags(batch_size=4)
 
     g = torch.Generator().manual_seed(0)
     loader = Loader((torch.rand(4, 3, 8, 8, generator=g), torch.tensor([0, 1, 2, 0])) for _ in range(3))
@@ -272,7 +272,7 @@ def test_auto_augment_random_erase_and_val_resize_size_reach_the_transforms():
     from torchvision.transforms import v2
 
     from my_dataset import augment_settings
-    from utils import build_transforms
+    from multi_train_utils.images import build_transforms
 
     train, val = build_transforms(32, **augment_settings(recipe_args(auto_augment="ta_wide", random_erase=1.0,
                                                                      val_resize_size=48)))
@@ -294,12 +294,12 @@ def test_val_resize_size_reaches_predict_and_export_through_args_json(tmp_path):
     from multi_train_utils.run_files import read_val_resize_size
 
     (tmp_path / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 32, "val_resize_size": 44}))
-    given = argparse.Namespace(weights=str(tmp_path / "model-best.pth"), val_resize_size=None)
+    given = full_flags(weights=str(tmp_path / "model-best.pth"), val_resize_size=None)
     assert read_val_resize_size(given, 32) == 44
     given.val_resize_size = 50
     assert read_val_resize_size(given, 32) == 50
     (tmp_path / "args.json").write_text(json.dumps({"model": "resnet18", "img_size": 32}))  # an older run
-    assert read_val_resize_size(argparse.Namespace(weights=given.weights, val_resize_size=None), 32) == 37
+    assert read_val_resize_size(full_flags(weights=given.weights, val_resize_size=None), 32) == 37
 
 
 # --- Best metric, EMA's best and patience ----------------------------------------------------
@@ -366,8 +366,10 @@ def test_best_source_of_each_row_is_whichever_scored_better_that_epoch(tmp_path)
 def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_raised():
     from multi_train_utils.recorder import RunRecorder
 
-    checkpoint = {"epoch": 4, "best_epoch": 1, "best_value": 0.5, "best_accuracy": 0.5,
-                  "stopped_early": "stopped early after epoch 4"}
+    from multi_train_utils.checkpoint import complete_checkpoint
+
+    checkpoint = complete_checkpoint({"epoch": 4, "best_epoch": 1, "best_value": 0.5, "best_accuracy": 0.5,
+                                      "stopped_early": "stopped early after epoch 4"})
     args = recipe_args(patience=3, epochs=10)
 
     def resumed():
@@ -390,7 +392,7 @@ def test_metrics_csv_keeps_its_first_six_columns_and_appends_the_new_ones(tmp_pa
 
 def test_start_summary_warns_of_imbalance_and_names_the_two_flags(capsys):
     from multi_train_utils.summary import print_data_summary
-    from my_dataset import Datasets, MyDataSet
+    from multi_train_utils.datasets import Datasets, MyDataSet
 
     train = MyDataSet(["x"] * 13, [0] * 10 + [1] * 3)  # 10 against 3: more than 3 times
     val = MyDataSet(["y"] * 2, [0, 1])

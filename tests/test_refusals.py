@@ -9,16 +9,17 @@ import pytest
 import torch
 import torch.nn as nn
 
-import model as model_file
+import multi_train_utils.model_setup as model_setup
+import multi_train_utils.weights as weights_file
 import predict
-from conftest import SCRIPTS
+from conftest import SCRIPTS, full_flags
 from conftest import parse_flags as parse
 from multi_train_utils import distributed_utils, exported, pictures
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.errors import UserError
 from multi_train_utils.inputs import check_datasets
 from multi_train_utils.run_files import read_run_settings
-from my_dataset import Datasets
+from multi_train_utils.datasets import Datasets
 from utils import read_label_files
 
 
@@ -109,26 +110,26 @@ class NoHead(nn.Module):
 
 def test_weights_that_do_not_fit_are_named_with_counts_and_an_example():
     net = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 4))  # 0.weight 0.bias 1.weight 1.bias
-    line = refusal(model_file.load_matching_weights, net, {"other.weight": torch.zeros(1)}, source="--weights w.pth")
+    line = refusal(weights_file.load_matching_weights, net, {"other.weight": torch.zeros(1)}, source="--weights w.pth")
     assert line.startswith("--weights w.pth: none of its tensors fit this model")
     state = {"0.weight": torch.zeros(3, 2), "extra.a": torch.zeros(1), "extra.b": torch.zeros(1), "extra.c": torch.zeros(1)}
-    line = refusal(model_file.load_exact_weights, net, state, source="--weights w.pth")
+    line = refusal(weights_file.load_exact_weights, net, state, source="--weights w.pth")
     assert "3 missing (e.g. 0.bias)" in line and "3 unexpected (e.g. extra.a)" in line, line
     # a single matching tensor is enough for load_matching_weights
-    skipped, not_loaded = model_file.load_matching_weights(net, {"0.weight": torch.ones(3, 2)})
+    skipped, not_loaded = weights_file.load_matching_weights(net, {"0.weight": torch.ones(3, 2)})
     assert skipped == [] and not_loaded == ["0.bias", "1.bias", "1.weight"]
     assert torch.equal(net[0].weight, torch.ones(3, 2))
 
 
 def test_a_model_without_a_head_cannot_freeze_its_layers_and_the_last_head_is_the_one():
-    assert refusal(model_file.head_name, NoHead()).startswith("--freeze-layers: this model has no child named fc")
+    assert refusal(model_setup.head_name, NoHead()).startswith("--freeze-layers: this model has no child named fc")
     net = nn.Module()
     net.fc, net.body, net.head = nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1)
-    assert model_file.head_name(net) == "head"
+    assert model_setup.head_name(net) == "head"
 
 
 def test_a_torchvision_weights_name_that_does_not_exist_is_named_with_the_model():
-    line = refusal(model_file.read_weights, "IMAGENET9K_V9", "resnet18")
+    line = refusal(weights_file.read_weights, "IMAGENET9K_V9", "resnet18")
     assert line == "--weights IMAGENET9K_V9: no such file, nor torchvision weights for resnet18"
 
 
@@ -263,7 +264,7 @@ def test_more_processes_than_gpus_share_them_round_robin_under_gloo_only(monkeyp
 
 
 def test_find_classes_lists_the_visible_sub_folders_sorted_first_and_last_included(tmp_path):
-    from utils import find_classes
+    from multi_train_utils.data_split import find_classes
 
     for name in ("zebra", "Ant", "bee", ".cache", "mid dle"):
         (tmp_path / name).mkdir()
@@ -327,13 +328,12 @@ def test_the_doctor_refuses_an_output_dir_that_is_a_file(tmp_path):
 
 @pytest.mark.parametrize("max_processes, counts", [(None, [1, 2, 4, 6]), (2, [1, 2]), (3, [1, 2, 3]), (1, [1])])
 def test_the_benchmark_scales_up_to_max_processes_or_the_cores(monkeypatch, max_processes, counts):
-    import argparse
 
     import benchmark
 
     monkeypatch.setattr(benchmark, "cpu_cores_available", lambda: 6)
     monkeypatch.setattr(benchmark, "measure_scaling", lambda args, data, k, dev: (10.0 * k, {}))
-    rows = benchmark.scaling_rows(argparse.Namespace(max_processes=max_processes), "d", torch.device("cpu"), 1000, {})
+    rows = benchmark.scaling_rows(full_flags(max_processes=max_processes), "d", torch.device("cpu"), 1000, {})
     assert [r["processes"] for r in rows] == counts
 
 
@@ -386,7 +386,7 @@ def test_a_validation_where_no_image_could_be_read_stops_the_run_in_one_line(rea
     read is a result, the others counted as left out."""
     from multi_train_utils.errors import MidRunError
     from multi_train_utils.train_eval_utils import evaluate
-    from my_dataset import LEFT_OUT
+    from multi_train_utils.datasets import LEFT_OUT
 
     net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
     labels = [LEFT_OUT] * 3 + [1] * readable

@@ -2,7 +2,6 @@
 extremes), classes without validation images, ties, the first and the last class, a matrix
 without a single confusion. The expected lines are worked out by hand from made-up confusion
 matrices."""
-import argparse
 import csv
 import io
 import math
@@ -13,6 +12,7 @@ import torch
 from multi_train_utils.summary import evaluation_metrics_csv, print_data_summary, print_evaluation
 from multi_train_utils.train_eval_utils import EvalResult
 from multi_train_utils.pictures import most_confused_pairs
+from conftest import full_flags  # noqa: E402
 
 
 def names(n):
@@ -44,9 +44,9 @@ class Split(list):
 def test_the_data_summary_names_every_class_up_to_20_and_the_extremes_from_21(capsys, n):
     counts = [10 + c for c in range(n)]  # class00 the smallest, the last the largest
     train = Split([c for c, k in enumerate(counts) for _ in range(k)])
-    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
+    args = full_flags(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
                               class_weights="none")
-    print_data_summary(args, argparse.Namespace(classes=names(n), train=train, val=Split([]), skipped=[]))
+    print_data_summary(args, full_flags(classes=names(n), train=train, val=Split([]), skipped=[]))
     out = capsys.readouterr().out
     if n == 20:
         assert "data: d: " + ", ".join(f"{10 + c} class{c:02d}" for c in range(20)) + "\n" in out
@@ -138,9 +138,9 @@ def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, cap
     """--eval-only with several processes: rank 0 reports, the others neither print nor write."""
     from multi_train_utils import summary
 
-    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
+    args = full_flags(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
                               class_weights="none", eval_output=str(tmp_path / "eval"), weights="w.pth")
-    data = argparse.Namespace(classes=names(3), train=Split([0, 1, 2]), val=Split([0, 1, 2]), skipped=[])
+    data = full_flags(classes=names(3), train=Split([0, 1, 2]), val=Split([0, 1, 2]), skipped=[])
     monkeypatch.setattr(summary, "is_main_process", lambda: False)
     summary.report_evaluation(diagonal(3), data, args)
     assert capsys.readouterr().out == "" and not (tmp_path / "eval").exists()
@@ -156,14 +156,14 @@ def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, cap
 def test_the_imbalance_warning_is_left_out_once_either_remedy_is_given(sampler, class_weights, warned):
     from multi_train_utils.balance import imbalance_warning
 
-    args = argparse.Namespace(sampler=sampler, class_weights=class_weights)
+    args = full_flags(sampler=sampler, class_weights=class_weights)
     assert (imbalance_warning(args, [10, 3], ["a", "b"]) is not None) is warned
 
 
 def test_datasets_without_targets_get_their_class_count_and_the_split(capsys):
-    args = argparse.Namespace(demo=False, train_list=None, data_path="d", val_path="v", sampler="shuffle",
+    args = full_flags(demo=False, train_list=None, data_path="d", val_path="v", sampler="shuffle",
                               class_weights="none")
-    print_data_summary(args, argparse.Namespace(classes=names(3), train=[0] * 5, val=[0, 0], skipped=[]))
+    print_data_summary(args, full_flags(classes=names(3), train=[0] * 5, val=[0, 0], skipped=[]))
     out = capsys.readouterr().out
     assert "data: d + v (validation): 3 classes (images per class: give the datasets .targets)\n" in out
     assert "split: 5 train, 2 val images\n" in out

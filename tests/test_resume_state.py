@@ -4,20 +4,19 @@ and every counter (epoch, EMA updates, optimizer steps, the fp16 loss scale). Af
 at any epoch, every later decision ("best", "stop") and every file is the one of a run never
 stopped. In-process: RunRecorder writes its real checkpoint.pth, which the resumed run reads
 back as the scripts do (find_resume_checkpoint, restore_training_state)."""
-import argparse
 import random
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import read_metrics
+from conftest import read_metrics, full_flags
 from multi_train_utils.checkpoint import TrainState, find_resume_checkpoint, restore_training_state
 from multi_train_utils.ema import ModelEma
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.train_eval_utils import EvalResult, TrainStats
 
-DATA = argparse.Namespace(classes=["a", "b"])  # as far as RunRecorder reads the data
+DATA = full_flags(classes=["a", "b"])  # as far as RunRecorder reads the data
 EPOCHS = 10
 
 
@@ -191,7 +190,7 @@ def test_a_resumed_schedule_goes_on_at_the_rate_of_a_run_never_stopped(accum_ste
     alike."""
     from model import create_lr_scheduler
 
-    args = argparse.Namespace(epochs=5, warmup_epochs=1, lrf=0.1, lr_scheduler="cosine", lr_step_size=30,
+    args = full_flags(epochs=5, warmup_epochs=1, lrf=0.1, lr_scheduler="cosine", lr_step_size=30,
                               lr_gamma=0.1, accum_steps=accum_steps)
 
     def rates(start_epoch, steps):

@@ -1,5 +1,4 @@
 """The run's figures as the pages promise them, read code first: TensorBoard, metrics.csv, curves, start summary, speed settings."""
-import argparse
 import csv
 import os
 
@@ -7,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import Labelled, parse_flags
+from conftest import Labelled, parse_flags, full_flags
 
 from multi_train_utils.checkpoint import TrainState
 from multi_train_utils.train_eval_utils import EvalResult, TrainStats
@@ -44,7 +43,7 @@ def record_one_epoch(tmp_path, ema=True):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = TrainState(model, optimizer, scheduler, ema=ModelEma(model, 0.9) if ema else None)
-    recorder = RunRecorder(args, argparse.Namespace(classes=["a", "b", "c"]), state, enabled=True, world_size=1)
+    recorder = RunRecorder(args, full_flags(classes=["a", "b", "c"]), state, enabled=True, world_size=1)
     stats = TrainStats(mean_loss=1.5, images=12, seconds=2.0, last_lr=0.01, images_per_second=4.0)
     recorder.end_epoch(0, stats, result(*MODEL_RESULT), result(*EMA_RESULT) if ema else None, seconds=2.5)
     recorder.close()
@@ -120,7 +119,7 @@ def test_the_start_summary_says_where_the_outputs_and_this_runs_tensorboard_fold
     logs go "to a new sub-folder of `--log-dir` per run: `tensorboard --logdir runs`"."""
     from multi_train_utils import summary
     from multi_train_utils.train_eval_utils import LoopSettings
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
 
     args = parse_flags(True, "--model", "resnet18", "--output-dir", "weights/pets", "--log-dir", "tb")
     data = Datasets(Labelled([0, 1, 0, 1]), Labelled([0, 1]), ["a", "b"])

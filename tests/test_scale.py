@@ -142,9 +142,9 @@ def test_no_image_is_opened_before_training_unless_check_images(tmp_path, monkey
 # --- Bad files met mid-epoch -----------------------------------------------------------------------
 
 def test_a_dataset_replaces_and_leaves_out_as_asked_and_stops_when_the_data_is_gone(tmp_path):
-    from my_dataset import LEFT_OUT, MAX_UNREADABLE_IN_A_ROW, MyDataSet
+    from multi_train_utils.datasets import LEFT_OUT, MAX_UNREADABLE_IN_A_ROW, MyDataSet
     from multi_train_utils.errors import MidRunError, UnreadableImage
-    from utils import build_transforms
+    from multi_train_utils.images import build_transforms
 
     paths = []
     for i in range(4):
@@ -174,7 +174,7 @@ def test_a_dataset_replaces_and_leaves_out_as_asked_and_stops_when_the_data_is_g
 
 
 def test_evaluation_leaves_out_unreadable_images_from_every_count():
-    from my_dataset import LEFT_OUT
+    from multi_train_utils.datasets import LEFT_OUT
     from multi_train_utils.train_eval_utils import evaluate
 
     class Fixed(torch.nn.Module):  # predicts the class written in the image's first pixel
@@ -214,7 +214,7 @@ WORKER_GROWTH = """
 import os, sys
 sys.path.insert(0, {repo!r})
 from torch.utils.data import DataLoader, Dataset
-from my_dataset import MyDataSet
+from multi_train_utils.datasets import MyDataSet
 
 def private_kb():
     with open("/proc/self/smaps_rollup") as f:
@@ -262,7 +262,7 @@ def reference_split(images, labels, classes, val_rate, seed):
 
 
 def test_the_split_of_a_seed_is_the_one_it_always_was():
-    from utils import split_by_class
+    from multi_train_utils.data_split import split_by_class
 
     rng = random.Random(5)
     classes = [f"c{c}" for c in range(11)]
@@ -276,7 +276,7 @@ def test_the_split_of_a_seed_is_the_one_it_always_was():
 
 
 def test_a_checkpoint_of_another_fingerprint_version_is_compared_by_its_counts(tmp_path, capsys):
-    from my_dataset import image_file_datasets
+    from multi_train_utils.datasets import image_file_datasets
     from multi_train_utils.inputs import file_list_fingerprint, warn_if_files_changed
     from utils import read_split_data
 
@@ -337,7 +337,7 @@ class Labelled(torch.utils.data.Dataset):
 
 
 def test_the_start_summary_of_1000_classes_names_the_extremes_in_short_lines(capsys):
-    from my_dataset import Datasets
+    from multi_train_utils.datasets import Datasets
     from multi_train_utils.options import get_args_parser, parse_args
     from multi_train_utils.summary import print_data_summary
 

@@ -3,7 +3,6 @@ label files alike), both training samplers (the shuffle and --sampler balanced) 
 1 and 2, and the draw within a class. The same seed gives the same choice, another seed
 another; a draw depends on (seed, epoch) alone, never on the global generator. Expected orders
 come from torch's own DistributedSampler recipe (a permutation seeded by seed + epoch)."""
-import argparse
 import csv
 import os
 
@@ -12,6 +11,7 @@ import torch
 
 from multi_train_utils.balance import BalancedDistributedSampler, make_train_sampler
 from my_dataset import build_datasets
+from conftest import full_flags  # noqa: E402
 
 N_IMAGES = 12  # per class, 3 classes
 
@@ -32,7 +32,7 @@ def folders_and_label_file(tmp_path_factory):
 
 
 def data_args(root, seed, labels):
-    return argparse.Namespace(data_path=str(root / "data"), val_path=None, train_list=str(root / "train.csv") if labels
+    return full_flags(data_path=str(root / "data"), val_path=None, train_list=str(root / "train.csv") if labels
                               else None, val_list=None, val_rate=0.25, seed=seed, img_size=32, check_images=False)
 
 
@@ -67,7 +67,7 @@ class Labelled(list):
 @pytest.mark.parametrize("seed", [0, 5])
 def test_the_shuffle_sampler_is_seeded_by_seed_and_epoch_on_every_rank(seed):
     dataset = Labelled([i % 3 for i in range(10)])  # 10 over 2 ranks: 5 each, no padding; 11 pads below
-    args = argparse.Namespace(sampler="shuffle", seed=seed)
+    args = full_flags(sampler="shuffle", seed=seed)
     for epoch in (0, 1):
         expected = shuffle_order(len(dataset), seed, epoch)
         single = make_train_sampler(args, dataset, num_replicas=1, rank=0)
@@ -88,7 +88,7 @@ def test_the_shuffle_sampler_is_seeded_by_seed_and_epoch_on_every_rank(seed):
 def balanced_draws(labels, seed, epoch, world_size):
     draws = []
     for rank in range(world_size):
-        sampler = make_train_sampler(argparse.Namespace(sampler="balanced", seed=seed), Labelled(labels),
+        sampler = make_train_sampler(full_flags(sampler="balanced", seed=seed), Labelled(labels),
                                      num_replicas=world_size, rank=rank)
         sampler.set_epoch(epoch)
         draws.append(list(sampler))
@@ -129,7 +129,7 @@ def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
     images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
 
     def mixed(seed, rank=0, epoch=0, step=0):
-        args = argparse.Namespace(mixup_alpha=0.2, cutmix_alpha=1.0, seed=seed)
+        args = full_flags(mixup_alpha=0.2, cutmix_alpha=1.0, seed=seed)
         return make_batch_mixer(args, 4, rank=rank)(images.clone(), labels, epoch, step)[1]
 
     assert torch.equal(mixed(3), mixed(3))
@@ -143,7 +143,7 @@ def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
     from multi_train_utils import mixing
 
     images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
-    args = argparse.Namespace(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
+    args = full_flags(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
 
     def mixed(**rank):
         return mixing.make_batch_mixer(args, 4, **rank)(images.clone(), labels, 0, 0)[1]
@@ -157,5 +157,5 @@ def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
 def test_mixup_or_cutmix_alone_mixes(mixup, cutmix, mixes):
     from multi_train_utils.mixing import make_batch_mixer
 
-    mixer = make_batch_mixer(argparse.Namespace(mixup_alpha=mixup, cutmix_alpha=cutmix, seed=0), 4, rank=0)
+    mixer = make_batch_mixer(full_flags(mixup_alpha=mixup, cutmix_alpha=cutmix, seed=0), 4, rank=0)
     assert (mixer is not None) is mixes

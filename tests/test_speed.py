@@ -1,7 +1,6 @@
 """The fast path: precision choice, uint8 decoding, normalisation on the device, gradient
 accumulation, clipping, activation checkpointing, torch.compile, a loop without per-step
 host syncs, and benchmark.py's smoke test."""
-import argparse
 import io
 import json
 import os
@@ -13,8 +12,9 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, outcome, run, torchcodec_decodes
-from model import create_model, plain_state_dict
+from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, outcome, run, torchcodec_decodes, full_flags
+from model import create_model
+from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils import images, performance
 from multi_train_utils.errors import RankError, UserError
 from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower
@@ -317,7 +317,7 @@ def test_compiled_model_with_grad_checkpoint_trains_like_the_plain_one_and_saves
     torch.manual_seed(0)
     eager = StagedNet()
     torch.manual_seed(0)
-    args = argparse.Namespace(channels_last=None, grad_checkpoint=True, compile=True, model="tiny")
+    args = full_flags(channels_last=None, grad_checkpoint=True, compile=True, model="tiny")
     compiled, channels_last = optimize_model(StagedNet(), args, CPU)
     assert channels_last and hasattr(compiled, "_orig_mod")
     before = {k: v.clone() for k, v in eager.state_dict().items()}
@@ -448,7 +448,7 @@ def test_scaling_efficiency_is_against_k_gpus_or_the_same_shared_cores(monkeypat
     monkeypatch.setattr(benchmark, "cpu_cores_available", lambda: 4)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     timed = {}
-    rows = benchmark.scaling_rows(argparse.Namespace(max_processes=None), "d", torch.device(device), 100, timed)
+    rows = benchmark.scaling_rows(full_flags(max_processes=None), "d", torch.device(device), 100, timed)
     assert [r["processes"] for r in rows] == [1, 2, 4]
     assert [r["efficiency"] for r in rows] == pytest.approx(efficiencies)
     assert [r["gpus"] for r in rows] == ([0, 0, 0] if device == "cpu" else [1, 2, 4])

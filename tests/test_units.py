@@ -1,12 +1,11 @@
 """In-process checks of the pieces: split, dataset, samplers, schedule, environment, flags."""
-import argparse
 import os
 import random
 
 import pytest
 import torch
 
-from conftest import CLASSES
+from conftest import CLASSES, full_flags
 
 
 def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny_data, monkeypatch):
@@ -31,8 +30,10 @@ def test_split_is_stratified_deterministic_and_independent_of_listing_order(tiny
 
 
 def test_every_image_mode_becomes_rgb(tiny_data):
-    from my_dataset import MyDataSet, SeededSamples
-    from utils import build_transforms, read_split_data
+    from multi_train_utils.datasets import MyDataSet
+    from multi_train_utils.loaders import SeededSamples
+    from utils import read_split_data
+    from multi_train_utils.images import build_transforms
 
     split = read_split_data(tiny_data["train"], val_root=tiny_data["val"])
     odd = [i for i, p in enumerate(split.train_images_path)
@@ -52,8 +53,8 @@ def epoch_images(train_set, seed, epochs, workers):
     """{(epoch, index): image} through the scripts' real sampler and loader chain."""
     from torch.utils.data import BatchSampler, DistributedSampler
 
-    from my_dataset import EpochIndexSampler
-    from my_dataset import make_loader
+    from multi_train_utils.loaders import EpochIndexSampler
+    from multi_train_utils.loaders import make_loader
 
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)
     loader = make_loader(train_set, BatchSampler(EpochIndexSampler(sampler), 4, drop_last=True), workers,
@@ -70,11 +71,12 @@ def epoch_images(train_set, seed, epochs, workers):
 def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
     """Image i gets another random crop in epoch 1 than in epoch 0 (persistent loader workers
     included), and the same crops again in a rerun with the same seed and other workers."""
-    from argparse import Namespace
 
-    from my_dataset import SeededSamples, build_datasets
+    from my_dataset import build_datasets
 
-    data = build_datasets(Namespace(train_list=None, data_path=tiny_data["train"], val_path=tiny_data["val"],
+    from multi_train_utils.loaders import SeededSamples
+
+    data = build_datasets(full_flags(train_list=None, data_path=tiny_data["train"], val_path=tiny_data["val"],
                                     val_rate=0.2, seed=0, img_size=24, check_images=True))  # 36: batches of 4
     train_set = SeededSamples(data.train, seed=0)
     first = epoch_images(train_set, seed=0, epochs=(0, 1), workers=1)
@@ -87,7 +89,7 @@ def test_augmentation_changes_every_epoch_and_repeats_on_a_rerun(tiny_data):
 
 
 def test_shard_sampler_covers_each_index_once():
-    from my_dataset import ShardSampler
+    from multi_train_utils.loaders import ShardSampler
 
     for world_size in (1, 2, 3, 4, 8):
         shards = [list(ShardSampler(7, r, world_size)) for r in range(world_size)]
@@ -98,7 +100,7 @@ def schedule_args(**changes):
     """The schedule's flags (cosine, no warm-up, --lrf 0.1, one batch per optimizer step), with ``changes``."""
     flags = dict(epochs=4, warmup_epochs=0, lrf=0.1, lr_scheduler="cosine", lr_step_size=30, lr_gamma=0.1,
                  accum_steps=1)
-    return argparse.Namespace(**{**flags, **changes})
+    return full_flags(**{**flags, **changes})
 
 
 def test_lr_schedule_warms_up_then_follows_cosine_to_lrf():
@@ -220,7 +222,8 @@ def test_boolean_flags_and_aliases():
 
 @pytest.mark.parametrize("name", ["fc", "classifier", "heads"])
 def test_freeze_finds_the_head_of_any_architecture(name):
-    from model import create_model, freeze_all_but_head, set_train_mode
+    from model import create_model
+    from multi_train_utils.model_setup import freeze_all_but_head, set_train_mode
 
     model = create_model({"fc": "resnet18", "classifier": "mobilenet_v3_small", "heads": "vit_b_16"}[name], 3)
     assert freeze_all_but_head(model) == name
@@ -288,13 +291,14 @@ def test_restore_derives_the_learning_rate_for_the_new_world_size():
     """Resumed on twice the processes: momentum buffers come from the checkpoint, the rate is
     the newly scaled one, and the schedule starts at the checkpoint's next epoch."""
     from model import create_lr_scheduler
-    from multi_train_utils.checkpoint import TrainState, restore_training_state
+    from multi_train_utils.checkpoint import TrainState, complete_checkpoint, restore_training_state
 
     weight = torch.nn.Parameter(torch.ones(3))
     before = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
     weight.grad = torch.full((3,), 0.5)
     before.step()
-    checkpoint = {"optimizer": before.state_dict(), "epoch": 1, "rng": {"torch": torch.get_rng_state()}}
+    checkpoint = complete_checkpoint({"optimizer": before.state_dict(), "epoch": 1,
+                                      "rng": {"torch": torch.get_rng_state()}})
 
     after = torch.optim.SGD([weight], lr=0.2, momentum=0.9)
     start_epoch = restore_training_state(TrainState(None, after), checkpoint)  # after: created at the new rate

@@ -118,7 +118,7 @@ def test_train_log_and_summaries(single_run):
     assert "\r" not in log
     stdout = single_run["result"].stdout
     for text in ("world size: 1 (single process", "split: 36 train, 7 val images", f"model: {MODEL}",
-                 "batch: 4 per process x 1 accumulation steps x 1 processes = 4 per optimizer step",
+                 "batch: 4 per process x 1 accumulation step x 1 process = 4 per optimizer step",
                  "[epoch 1] train_loss", "best val accuracy:", "best weights: ", "plots: ",
                  "tensorboard --logdir"):
         assert text in stdout, text

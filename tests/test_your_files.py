@@ -2,7 +2,6 @@
 checkpoint-old.pth or train.log.bak. Pruning (--keep-last), --overwrite, --resume auto's fresh
 start and the check for an earlier run touch our exact names only; --keep-last K keeps exactly
 the last K epochs' weights."""
-import argparse
 import os
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from multi_train_utils.errors import UserError
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.run_files import check_output_dir, clear_earlier_run, earlier_run_files
+from conftest import full_flags  # noqa: E402
 
 OURS = ["checkpoint.pth", "checkpoint-prev.pth", "checkpoint.pth.damaged", "model-best.pth", "metrics.csv",
         "args.json", "class_indices.json", "train.log", "confusion_matrix.csv", "curves.png", "most_confused.png"]
@@ -36,7 +36,7 @@ def test_an_earlier_run_is_our_exact_names_only(tmp_path):
 
 def test_overwrite_removes_our_files_and_leaves_theirs(tmp_path):
     folder = folder_with(tmp_path, epochs=[0, 7])
-    clear_earlier_run(argparse.Namespace(output_dir=str(folder), overwrite=True, resume=None), None)
+    clear_earlier_run(full_flags(output_dir=str(folder), overwrite=True, resume=None), None)
     assert listing(folder) == sorted(THEIRS)
     for name in THEIRS:
         assert (folder / name).read_text() == name
@@ -44,7 +44,7 @@ def test_overwrite_removes_our_files_and_leaves_theirs(tmp_path):
 
 def test_a_fresh_start_of_resume_auto_removes_our_files_only(tmp_path):
     folder = folder_with(tmp_path, epochs=[2])
-    clear_earlier_run(argparse.Namespace(output_dir=str(folder), overwrite=False, resume="auto"), None)
+    clear_earlier_run(full_flags(output_dir=str(folder), overwrite=False, resume="auto"), None)
     assert listing(folder) == sorted(THEIRS)
 
 
@@ -61,7 +61,7 @@ def test_their_files_alone_are_no_earlier_run(tmp_path):
 def test_keep_last_keeps_exactly_the_last_k_epochs_and_none_of_theirs_is_pruned(tmp_path, keep_last, kept):
     folder = folder_with(tmp_path, epochs=range(6))
     recorder = RunRecorder.__new__(RunRecorder)  # only what pruning reads
-    recorder.args, recorder.output_dir = argparse.Namespace(keep_last=keep_last), str(folder)
+    recorder.args, recorder.output_dir = full_flags(keep_last=keep_last), str(folder)
     recorder._prune(5)
     assert listing(folder) == sorted(OURS + THEIRS + [f"model-{e}.pth" for e in kept])
 
@@ -101,5 +101,5 @@ def test_the_clean_up_removes_our_temporary_files_only(tmp_path):
               ".checkpoint-old.pth.abcd1234.tmp"]
     for name in ours + theirs:
         (tmp_path / name).write_text(name)
-    clear_earlier_run(argparse.Namespace(output_dir=str(tmp_path), overwrite=False, resume=None), None)
+    clear_earlier_run(full_flags(output_dir=str(tmp_path), overwrite=False, resume=None), None)
     assert listing(tmp_path) == sorted(theirs)

@@ -16,8 +16,9 @@ from torchvision.datasets import ImageFolder  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from multi_train_utils.errors import run_cli  # noqa: E402
-from my_dataset import Datasets, augment_settings  # noqa: E402
-from utils import build_transforms  # noqa: E402
+from my_dataset import augment_settings  # noqa: E402
+from multi_train_utils.datasets import Datasets
+from multi_train_utils.images import build_transforms  # noqa: E402
 
 
 def build_datasets(args):

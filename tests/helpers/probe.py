@@ -50,7 +50,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import model as model_module  # noqa: E402
+import multi_train_utils.model_setup as model_setup  # noqa: E402
 import multi_train_utils.train_eval_utils as train_eval_utils  # noqa: E402
 from multi_train_utils.errors import run_cli  # noqa: E402
 
@@ -75,7 +75,7 @@ def weights_hash(model):
     import hashlib
 
     digest = hashlib.sha256()
-    for value in model_module.unwrap_model(model).state_dict().values():
+    for value in model_setup.unwrap_model(model).state_dict().values():
         digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -100,19 +100,19 @@ real_build_datasets = target.build_datasets
 
 def build_datasets(args):
     """build_datasets, with what it listed and returned recorded (PROBE_FILE_LISTS)."""
-    import utils
+    import multi_train_utils.data_split as data_split
 
-    real_scan, listed = utils._scan_class_folders, []
+    real_scan, listed = data_split._scan_class_folders, []
 
     def counting_scan(root, classes, *more, **kwargs):
         listed.append(len(classes))
         return real_scan(root, classes, *more, **kwargs)
 
-    utils._scan_class_folders = counting_scan
+    data_split._scan_class_folders = counting_scan
     try:
         data = real_build_datasets(args)
     finally:
-        utils._scan_class_folders = real_scan
+        data_split._scan_class_folders = real_scan
     record["class_folders_listed"] = sum(listed)
     record["holders"] = [type(data.train.images_path).__name__, type(data.train.images_class).__name__]
     for name, dataset in (("train", data.train), ("val", data.val)):
@@ -195,8 +195,8 @@ if os.environ.get("PROBE_BN_EVAL") == "1":
 
     train_eval_utils.set_train_mode = set_train_mode_bn_eval
     # BatchNorm in eval mode takes a batch of one: the start-up check must not refuse it
-    real_check_input_size = model_module.check_input_size
-    model_module.check_input_size = lambda *args, **kwargs: real_check_input_size(*args, **dict(kwargs, training=False))
+    real_check_input_size = model_setup.check_input_size
+    model_setup.check_input_size = lambda *args, **kwargs: real_check_input_size(*args, **dict(kwargs, training=False))
 
 if os.environ.get("PROBE_COUNT_SYNCS") == "1":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
