@@ -5,7 +5,8 @@
 
 The exported model takes float images of shape (N, C, H, W), any N, C the channels of the
 run's images (3 for RGB), H = W = the training image size, normalised with the run's mean and
-std (ImageNet's unless its data said otherwise), and returns one logit per class. A .pt2 loads with torch alone, without this
+std (ImageNet's unless its data said otherwise), and returns one logit per class. A .pt2
+loads with torch alone, without this
 project's code, and carries the class names and the preprocessing (run.json inside it;
 predict.py reads them):
 
@@ -115,7 +116,8 @@ def main(argv=None):
     try:
         with torch.no_grad():
             run_exported = EXPORTERS[args.format](model, example, unchecked, run)
-            check = torch.randn(3, channels, img_size, img_size, generator=generator)  # another batch size, other values
+            # another batch size, other values
+            check = torch.randn(3, channels, img_size, img_size, generator=generator)
             difference = float((run_exported(check) - model(check)).abs().max())
         if difference > TOLERANCE:
             raise UserError(f"the exported {args.format} model differs from the eager one by {difference:.2e} "

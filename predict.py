@@ -1,7 +1,7 @@
 """Predict the class of an image, or of every image in a folder, with trained weights.
 
     python predict.py --weights weights/model-best.pth --image my_photo.jpg
-    python predict.py --weights weights/model-best.pth --image data/demo/ --output runs/predictions.csv
+    python predict.py --weights weights/model-best.pth --image data/demo/ --output weights/predictions.csv
     python predict.py --weights weights/model-best.pt2 --image my_photo.jpg   # export.py's program
 
 The model name and image size come from the run's args.json beside the weights, the class

@@ -46,8 +46,8 @@ def image_file_datasets(split, img_size, augment=None, channels=3, mean=IMAGENET
                       if_unreadable="replace", channels=channels)
     val = MyDataSet(split.val_images_path, split.val_images_label, val_transform, keep_side=val_side,
                     if_unreadable="leave out", channels=channels)
-    return Datasets(train, val, split.classes, skipped=split.skipped, skip_reasons=split.skip_reasons, notes=split.notes,
-                    channels=channels, mean=mean, std=std)
+    return Datasets(train, val, split.classes, skipped=split.skipped, skip_reasons=split.skip_reasons,
+                    notes=split.notes, channels=channels, mean=mean, std=std)
 
 
 # A file the loader cannot read: "stop" the run, "replace" it by the next readable image

@@ -34,6 +34,7 @@ def export_program(model, example, path, run):
         raise UserError(f"torch.export cannot capture {run['model']} ({printable(why)}); see "
                         "https://pytorch.org/docs/stable/export.html for what it needs") from None
     buffer = io.BytesIO()
+    run = {**EARLIER_PROGRAMS, **run}
     kept = {key: run[key] for key in (*RUN_KEYS, *EARLIER_PROGRAMS)}
     torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps(kept)})
     write_bytes_atomic(buffer.getvalue(), path)

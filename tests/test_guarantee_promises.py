@@ -204,7 +204,7 @@ def resumed_recorder(tmp_path, saved_world_size, world_size, capsys):
     recorder = RunRecorder(args, full_flags(classes=["a", "b"]), TrainState(None), checkpoint=checkpoint,
                            resume_path=str(out / "checkpoint.pth"), enabled=True, world_size=world_size)
     recorder.close()
-    return capsys.readouterr().out + "\n".join(recorder.resume_lines)
+    return capsys.readouterr().out + "".join(line + "\n" for line in recorder.resume_lines)
 
 
 def test_a_resume_with_another_number_of_processes_says_the_rate_is_scaled_anew(tmp_path, capsys):
@@ -281,9 +281,10 @@ def test_help_states_the_defaults_docs_flags_gives_in_words(distributed):
 # --- What a checkpoint holds ------------------------------------------------------------------------
 
 def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_beside_it(tmp_path):
-    """guarantees.md: "first `checkpoint.pth` — model, optimizer, learning-rate schedule, epoch,
-    best accuracy and its epoch, the `metrics.csv` rows, the run's flags, class names and
-    random-number states ... The previous checkpoint stays beside it as `checkpoint-prev.pth`."
+    """guarantees.md: "first `checkpoint.pth` — model, optimizer, epoch, best accuracy and its
+    epoch, the `metrics.csv` rows, the run's flags, class names and random-number states (the
+    learning-rate schedule is not in it ...) ... The previous checkpoint stays beside it as
+    `checkpoint-prev.pth`."
     Two epochs through RunRecorder.end_epoch, as rank 0 saves them."""
     import random
 

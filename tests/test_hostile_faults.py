@@ -252,8 +252,8 @@ def test_every_float_flag_refuses_nan_and_inf_before_anything_starts(capsys):
     float_flags = {name: sorted(a.option_strings[0] for a in parser._actions if reads_floats(a))
                    for name, parser in entry_parsers().items()}
     assert not [a for p in entry_parsers().values() for a in p._actions if a.type is float], float_flags
-    assert float_flags["train_single"] == ["--clip-grad", "--cutmix-alpha", "--label-smoothing", "--lr", "--lr-gamma",
-                                           "--lrf", "--mixup-alpha", "--model-ema-decay", "--momentum",
+    assert float_flags["train_single"] == ["--clip-grad", "--cutmix-alpha", "--hflip", "--label-smoothing", "--lr",
+                                           "--lr-gamma", "--lrf", "--mixup-alpha", "--model-ema-decay", "--momentum",
                                            "--random-erase", "--val-rate", "--weight-decay"]
     assert float_flags["train_multi_gpu"] == float_flags["train_single"]
     parser = get_args_parser(distributed=True)
@@ -270,36 +270,47 @@ def test_every_float_flag_refuses_nan_and_inf_before_anything_starts(capsys):
 
 # --- Image sizes and batches a model cannot take ---------------------------------------------
 
-def model_args(**overrides):
-    values = dict(model="resnet18", img_size=32, batch_size=2, eval_only=False, freeze_layers=False, weights="")
-    return full_flags(**dict(values, **overrides))
+def spec(name="resnet18", img_size=32, num_classes=5):
+    from model import create_model
+    from multi_train_utils.model_setup import ModelSpec
+
+    return ModelSpec(create_model, name, num_classes, img_size)
+
+
+def build(name="resnet18", img_size=32, batch_size=2, eval_only=False, sync_bn=False):
+    """build_model as the entry scripts call it, without weights."""
+    from multi_train_utils.model_setup import build_model
+
+    return build_model(spec(name, img_size), eval_only=eval_only, batch_size=batch_size, sync_bn=sync_bn)
 
 
 def test_an_image_size_the_model_cannot_take_is_refused_naming_the_size(tmp_path):
-    from multi_train_utils.model_setup import build_model, check_input_size
+    from model import create_model
+    from multi_train_utils.model_setup import check_input_size
     from multi_train_utils.run_files import load_trained_model
 
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images; use --img-size 224$"):
-        build_model(model_args(model="vit_b_16", img_size=96), 5)
+        build("vit_b_16", img_size=96)
     with pytest.raises(UserError, match=r"^--img-size 32: alexnet cannot take 32 px images \(.*too small\); use "
                                         r"--img-size 224 \(the size of its pretrained weights\)$"):
-        build_model(model_args(model="alexnet", eval_only=True), 5)
+        build("alexnet", eval_only=True)
     with pytest.raises(UserError, match=r"^--img-size 32: inception_v3 cannot take .* use --img-size 299 "):
-        check_input_size("inception_v3", 32)
-    check_input_size("vit_b_16", 224)
-    check_input_size("resnet18", 32)
+        check_input_size(spec("inception_v3", 32))
+    check_input_size(spec("vit_b_16", 224))
+    check_input_size(spec("resnet18", 32))
     # predict.py and export.py: the size given (or in args.json) is checked before the weights are read
     (tmp_path / "args.json").write_text(json.dumps({"model": "vit_b_16", "img_size": 96}))
     (tmp_path / "class_indices.json").write_text(json.dumps({"0": "a", "1": "b"}))
     (tmp_path / "model-best.pth").write_bytes(b"not read")
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images"):
         load_trained_model(full_flags(weights=str(tmp_path / "model-best.pth"), model=None, img_size=None,
-                                              class_indices=None))
+                                      class_indices=None), create_model)
 
 
-def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fail():
+def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fail(monkeypatch):
     from model import create_model
-    from multi_train_utils.model_setup import build_model, check_input_size
+    from multi_train_utils import model_setup
+    from multi_train_utils.model_setup import check_input_size
 
     def trains(img_size):  # what torch itself says, on real tensors
         try:
@@ -312,11 +323,16 @@ def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fa
     with pytest.raises(UserError, match=r"^--batch-size 1 at --img-size 32: in training, resnet18's normalisation "
                                         r"layers would see a single value per channel .*use --batch-size 2 or more, "
                                         r"or a larger --img-size$"):
-        build_model(model_args(batch_size=1), 5)
-    check_input_size("resnet18", 64, 1, training=True)
-    check_input_size("resnet18", 32, 1, training=False)  # evaluation: running statistics
-    check_input_size("resnet18", 32, 1, training=True, freeze_layers=True)  # frozen BatchNorm stays in eval mode
-    build_model(model_args(batch_size=1), 5, norm_batch=2)  # SyncBatchNorm over 2 processes sees 2 values
+        build(batch_size=1)
+    check_input_size(spec("resnet18", 64), 1, training=True)
+    check_input_size(spec("resnet18", 32), 1, training=False)  # evaluation: running statistics
+    check_input_size(spec("resnet18", 32), 1, training=True, freeze_layers=True)  # frozen BatchNorm: eval mode
+    # SyncBatchNorm over 2 processes sees 2 values
+    monkeypatch.setattr(model_setup, "get_world_size", lambda: 2)
+    monkeypatch.setattr(model_setup, "use_sync_bn", lambda requested, *args, **kwargs: requested)
+    build(batch_size=1, sync_bn=True)
+    with pytest.raises(UserError, match=r"^--batch-size 1 at --img-size 32"):
+        build(batch_size=1, sync_bn=False)  # 2 processes without SyncBatchNorm: each BatchNorm sees 1
 
 
 def test_a_batch_of_one_at_32_px_stops_before_anything_is_written(tiny_data, tmp_path):

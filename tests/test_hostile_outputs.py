@@ -110,10 +110,10 @@ def test_predict_skips_a_file_or_folder_it_may_not_read(trained, tmp_path, monke
     secret = folder / "roses" / "roses_001.jpg"
     read_image, scandir = predict.read_image_uint8, os.scandir
 
-    def read_image_or_refuse(path, keep_side=None):
+    def read_image_or_refuse(path, keep_side=None, channels=3):
         if path == str(secret):
             raise PermissionError(errno.EACCES, "Permission denied", path)
-        return read_image(path, keep_side)
+        return read_image(path, keep_side, channels)
 
     def scandir_or_refuse(path="."):
         if os.fspath(path) == str(folder / "locked"):
@@ -192,10 +192,13 @@ def test_predict_and_export_never_write_over_an_input_nor_unasked_over_a_file(tr
 
 
 def test_with_overwrite_only_a_checked_export_replaces_the_file(trained, tmp_path, monkeypatch, capsys):
+    from multi_train_utils.run_files import TrainedModel
+
     weights, output = str(trained / "model-best.pth"), tmp_path / "model.pt2"
     output.write_bytes(b"an earlier export")
     tiny = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 8), torch.nn.Flatten()).eval()  # exported in a second
-    monkeypatch.setattr(export, "load_trained_model", lambda args: (tiny, "tiny", 8, CLASSES))
+    monkeypatch.setattr(export, "load_trained_model",
+                        lambda args, create_model: TrainedModel(tiny, "tiny", 8, CLASSES))
     monkeypatch.setattr(export, "TOLERANCE", -1.0)  # every check fails
     refused(export.main, ["--weights", weights, "--output", str(output), "--overwrite"], "differs from the eager one")
     assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"] and output.read_bytes() == b"an earlier export"

@@ -10,6 +10,11 @@ from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHR
 from multi_train_utils import images
 
 
+
+def threads_text(count):
+    """How the start summary names a process's threads: "(1 thread)", "(2 threads)"."""
+    return f"({count} thread{'s' * (count != 1)})"
+
 def assert_default_precision(stdout, records):
     """--amp auto: bf16 exactly when /proc/cpuinfo lists bf16 instructions, printed and used by
     the first convolution of every rank; channels_last on."""
@@ -28,7 +33,7 @@ def test_python_train_single(single_run):
     assert "split: 36 train, 7 val images" in stdout
     assert "broken.jpg: not a readable image" in stdout
     assert ".hidden" not in stdout and "notes.txt" not in stdout
-    assert f"({CORES} threads)" in stdout  # one process gets all the cores
+    assert threads_text(CORES) in stdout  # one process gets all the cores
     assert (single_run["probe"]["loader_workers"], single_run["probe"]["threads"]) == (1, CORES)  # --workers 1
     # the decoder of each format present: JPEGs by TorchCodec (where installed), the PNG, BMP, ... by PIL
     assert f"loader worker per process; JPEG decoded by {images.JPEG_DECODER}; " in stdout
@@ -46,7 +51,7 @@ def test_torchrun_two_processes(ddp_run):
     assert stdout.count("split: 36 train, 7 val images") == 1  # only rank 0 prints
     assert "batch: 4 per process x 1 accumulation step x 2 processes = 8 per optimizer step" in stdout
     assert "lr: 0.002" in stdout  # 0.001 scaled by the world size
-    assert f"({max(1, CORES // 2)} threads)" in stdout  # the cores shared by 2 processes
+    assert threads_text(max(1, CORES // 2)) in stdout  # the cores shared by 2 processes
     assert [(r["loader_workers"], r["threads"]) for r in ddp_run["probe"]] == [(0, max(1, CORES // 2))] * 2
     assert len(glob.glob(ddp_run["out"] + "-tb/*")) == 1  # one TensorBoard writer
 
@@ -113,7 +118,7 @@ def test_slurm_environment(tiny_data, tmp_path):
     outputs = [h.communicate(timeout=180)[0] for h in handles]
     assert [h.returncode for h in handles] == [0, 0], outputs
     assert "world size: 2 (slurm, backend gloo)" in outputs[0]
-    assert f"({max(1, CORES // 2)} threads)" in outputs[0]  # 2 tasks per node share the cores
+    assert threads_text(max(1, CORES // 2)) in outputs[0]  # 2 tasks per node share the cores
     assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=outputs[0])
 
 
@@ -218,4 +223,4 @@ def check_the_readme_commands_after_the_demo(tmp_path, data):
     (predicted,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pt2")]
     (eager,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pth")]
     assert predicted.split()[:2] == eager.split()[:2] and predicted.startswith("data/demo/roses/roses_0001.jpg: ")
-    assert (project / "runs" / "eval" / "confusion_matrix.csv").is_file()
+    assert (project / "weights" / "eval" / "confusion_matrix.csv").is_file()

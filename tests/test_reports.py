@@ -231,7 +231,8 @@ def test_the_device_is_described_with_its_gpu_name_or_its_threads(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"NVIDIA H200 #{torch.device(device).index}")
     assert describe_device(torch.device("cuda", 1)) == "cuda:1 (NVIDIA H200 #1)"
-    assert describe_device(torch.device("cpu")) == f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    assert describe_device(torch.device("cpu")) == f"cpu ({threads} thread{'s' * (threads != 1)})"
     assert describe_device(torch.device("mps")) == "mps"
 
 

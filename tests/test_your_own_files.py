@@ -87,7 +87,8 @@ for main, argv in ((train_single.main, ["--eval-only", "--weights", out + "/mode
 
 def project_copy(root):
     """The project's tracked files (without tests/) in ``root``."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split()
     for name in listed:
         if name.startswith("tests/"):
             continue

@@ -1,0 +1,152 @@
+"""What a new user met, made right: --hflip, the best weights kept once, the disk a run holds,
+the header of a resumed run, old checkpoints, and settings complete at the start.
+
+All in this process: RunRecorder and the summaries on a tiny model, no training run."""
+import os
+
+import pytest
+import torch
+
+from conftest import full_flags, parse_flags
+
+
+def flips(transform):
+    """The probabilities of the horizontal flips in a v2.Compose."""
+    from torchvision.transforms import v2
+
+    return [t.p for t in transform.transforms if isinstance(t, v2.RandomHorizontalFlip)]
+
+
+def test_hflip_sets_the_chance_of_a_flip_and_zero_leaves_it_out():
+    from multi_train_utils.datasets import image_file_datasets
+    from multi_train_utils.images import build_transforms
+    from my_dataset import augment_settings
+
+    assert flips(build_transforms(32)[0]) == [0.5]  # the default
+    assert flips(build_transforms(32, hflip=0.3)[0]) == [0.3]
+    assert flips(build_transforms(32, hflip=0)[0]) == []
+    split = full_flags(train_images_path=["a.png"], train_images_label=[0], val_images_path=["b.png"],
+                       val_images_label=[1], classes=["a", "b"], skipped=[], skip_reasons={}, notes=[])
+    for flag, expected in ((None, [0.5]), ("0", []), ("1", [1.0]), ("0.25", [0.25])):
+        args = parse_flags(False, *(["--hflip", flag] if flag else []))
+        assert flips(image_file_datasets(split, 32, augment_settings(args)).train.transform) == expected, flag
+        assert flips(image_file_datasets(split, 32, augment_settings(args)).val.transform) == []
+
+
+def recorder_at(tmp_path, *flags):
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.recorder import RunRecorder
+
+    out = tmp_path / "run"
+    args = parse_flags(False, "--model", "resnet18", "--epochs", "4", "--no-plots", "--output-dir", str(out),
+                       "--log-dir", str(tmp_path / "tb"), *flags)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = ModelEma(model, 0.5) if "--model-ema" in flags else None
+    state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), ema=ema)
+    return out, RunRecorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
+
+
+def test_the_best_epochs_weights_are_kept_once_and_the_emas_in_a_file_of_their_own(tmp_path, capsys):
+    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+
+    out, recorder = recorder_at(tmp_path, "--model-ema", "--keep-last", "2")
+    model, ema = recorder.state.model, recorder.state.ema
+    good, mid = EvalResult(torch.tensor([[3, 0], [0, 3]])), EvalResult(torch.tensor([[3, 0], [1, 2]]))
+    bad = EvalResult(torch.tensor([[1, 2], [2, 1]]))
+    stats = TrainStats(1.0, 8, 1.0, 0.1, 8.0)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    recorder.end_epoch(0, stats, mid, bad)  # the model best: model-best.pth is model-0.pth
+    assert os.path.samefile(out / "model-best.pth", out / "model-0.pth")
+    assert os.stat(out / "model-0.pth").st_nlink == 2
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+        ema.module.weight.fill_(7.0)
+    recorder.end_epoch(1, stats, bad, good)  # the EMA beats the best: a file of its own
+    assert not os.path.samefile(out / "model-best.pth", out / "model-1.pth")
+    best = torch.load(out / "model-best.pth", weights_only=True)
+    assert torch.equal(best["weight"], torch.full((2, 2), 7.0))
+    assert torch.equal(torch.load(out / "model-1.pth", weights_only=True)["weight"], torch.full((2, 2), 2.0))
+    recorder.end_epoch(2, stats, good, bad)  # the model ties the best: not better, model-best stays the EMA's
+    assert torch.equal(torch.load(out / "model-best.pth", weights_only=True)["weight"], torch.full((2, 2), 7.0))
+    assert sorted(os.listdir(out)).count("model-0.pth") == 0  # --keep-last 2: epochs 1 and 2 kept
+    recorder.close()
+    capsys.readouterr()
+
+
+def test_the_end_summary_says_what_the_runs_folder_holds_each_file_once(tmp_path, capsys):
+    from multi_train_utils.checkpoint import BestEpoch, TrainState
+    from multi_train_utils.summary import print_end_summary
+
+    out = tmp_path / "run"
+    (out / "sub").mkdir(parents=True)
+    (out / "model-3.pth").write_bytes(b"x" * 1_500_000)
+    os.link(out / "model-3.pth", out / "model-best.pth")  # counted once
+    (out / "metrics.csv").write_bytes(b"y" * 200_000)
+    (out / "sub" / "a.png").write_bytes(b"z" * 1)
+    args = parse_flags(False, "--output-dir", str(out))
+    print_end_summary(args, TrainState(None, best=BestEpoch(0.5, 0.5, 3)), seconds=1.0)
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("disk:")]
+    assert line and line[0].startswith(f"disk: {out} holds 1.7 MB in 3 files "), line  # 1,700,001 bytes
+
+
+def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resumes(tmp_path, capsys):
+    from multi_train_utils.checkpoint import TrainState, complete_checkpoint
+    from multi_train_utils.datasets import Datasets
+    from multi_train_utils.performance import Precision
+    from multi_train_utils.recorder import RunRecorder
+    from multi_train_utils.summary import print_start_summary
+    from multi_train_utils.train_eval_utils import LoopSettings
+    from model import create_lr_scheduler
+
+    out = tmp_path / "run"
+    args = parse_flags(False, "--model", "resnet18", "--epochs", "3", "--lr", "0.001", "--no-plots", "--output-dir",
+                       str(out), "--log-dir", str(tmp_path / "tb"), "--resume", "auto")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    scheduler = create_lr_scheduler(optimizer, args, 4, start_epoch=2)  # resumed at epoch 2 of 3
+    state = TrainState(model, optimizer, scheduler)
+    data = Datasets([(torch.zeros(3, 2, 2), 0)] * 4, [(torch.zeros(3, 2, 2), 1)] * 2, ["a", "b"])
+    checkpoint = complete_checkpoint({"epoch": 1, "model": model.state_dict(), "world_size": 1})
+    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=str(out / "checkpoint.pth"),
+                           enabled=True, world_size=1)
+    now = optimizer.param_groups[0]["lr"]
+    assert now < 0.001  # the cosine has come down
+    print_start_summary(args, data, state, LoopSettings(Precision("off", "cpu")), device=torch.device("cpu"),
+                        workers=1, log_dir=recorder.log_dir, resumed=recorder.resume_lines)
+    recorder.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert "lr: 0.001; cosine to 0.0001 at epoch 2" in lines  # as the first run printed it
+    resume = [i for i, line in enumerate(lines) if line.startswith("resuming from")]
+    tensorboard = [i for i, line in enumerate(lines) if line.startswith("TensorBoard:")]
+    assert resume and tensorboard and resume[0] > tensorboard[0]  # after the header's lines
+    assert lines[resume[0]] == f"resuming from {out / 'checkpoint.pth'} (epoch 1 done): epochs 2 to 2, at lr {now:.3g}"
+    assert "x 1 accumulation step x 1 process = 16 per optimizer step; 1 loader worker per process;" in \
+        "\n".join(lines)
+
+
+def test_an_earlier_versions_checkpoint_loads_and_what_is_no_longer_read_is_left_out(tmp_path):
+    from multi_train_utils.checkpoint import BestEpoch, load_checkpoint
+
+    old = {"model": {"w": torch.zeros(1)}, "optimizer": {"state": {}, "param_groups": []}, "epoch": 4,
+           "classes": ["a", "b"], "args": {"model": "resnet18"}, "best_accuracy": 0.75, "best_epoch": 2,
+           "lr_scheduler": {"last_epoch": 19}}
+    torch.save(old, tmp_path / "checkpoint.pth")
+    read = load_checkpoint(str(tmp_path / "checkpoint.pth"))
+    assert "lr_scheduler" not in read
+    assert (read["best_value"], read["best_source"], read["world_size"], read["metrics"]) == (0.75, "model", None, [])
+    best = BestEpoch.from_checkpoint(read)
+    assert (best.value, best.accuracy, best.epoch, best.source, best.confusion) == (0.75, 0.75, 2, "model", None)
+
+
+def test_a_setting_that_a_script_lacks_stops_it_at_the_start(monkeypatch):
+    from multi_train_utils import options
+
+    assert options.parse_args(options.get_args_parser(False), []).sync_bn is False  # the single script's value
+    assert options.parse_args(options.get_args_parser(True), []).data_parallel is False
+    lacking = {k: v for k, v in options.SINGLE_PROCESS_SETTINGS.items() if k != "sync_bn"}
+    monkeypatch.setattr(options, "SINGLE_PROCESS_SETTINGS", lacking)
+    with pytest.raises(RuntimeError, match=r"the flags lack the settings \['sync_bn'\]"):
+        options.parse_args(options.get_args_parser(False), [])
