@@ -1,4 +1,4 @@
-"""The datasets to train on, and their batches: ``build_datasets`` is the function to edit for your data.
+"""The datasets to train on: ``build_datasets`` is the function to edit for your data.
 
 What both training scripts need from a dataset (the contract):
 

@@ -24,11 +24,11 @@ from multi_train_utils.distributed_utils import configure_cpu_threads, select_de
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
 from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
-from multi_train_utils.images import DeviceNormalizer, build_transforms, read_image_uint8, unreadable_reason
+from multi_train_utils.images import (IMG_EXTENSIONS, MODES, DeviceNormalizer, build_transforms, read_image_uint8,
+                                     unreadable_reason)
 from multi_train_utils.options import add_trained_model_flags
 from multi_train_utils.run_files import (TrainedModel, load_trained_model, read_class_indices, read_val_resize_size,
                                          trained_model_files)
-from multi_train_utils.images import IMG_EXTENSIONS
 
 
 def get_args_parser():
@@ -131,6 +131,9 @@ def main(argv=None):
     configure_cpu_threads(device)
 
     trained, val_resize = load_model(args, device)
+    if trained.channels not in MODES:
+        raise UserError(f"--weights {printable(args.weights)}: its run's images have {trained.channels} channels; "
+                        "predict.py reads image files as 1 (gray), 3 (RGB) or 4 (RGBA) channels")
     classes = trained.classes
     _, transform = build_transforms(trained.img_size, val_resize_size=val_resize)  # the validation transform
     dataset = ImageFiles(paths, transform, keep_side=val_resize, channels=trained.channels)

@@ -8,9 +8,9 @@ from typing import List, Mapping, NamedTuple, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from multi_train_utils.errors import MidRunError, UnreadableImage
+from multi_train_utils.errors import MidRunError, UnreadableImage, UserError
 from multi_train_utils.file_list import PathList, compact_labels
-from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, build_transforms, read_image_uint8, resize_size
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, MODES, build_transforms, read_image_uint8, resize_size
 
 
 class Datasets(NamedTuple):
@@ -37,6 +37,9 @@ def image_file_datasets(split, img_size, augment=None, channels=3, mean=IMAGENET
     """The built-in datasets of a split (lists of image files and labels) at ``img_size``;
     ``augment``: build_transforms' keyword arguments. Files are read with ``channels``
     channels (1: gray, 3: RGB, 4: RGBA), to be normalised with ``mean`` and ``std``."""
+    if channels not in MODES:
+        raise UserError(f"image_file_datasets(channels={channels}): image files are read as 1 (gray), 3 (RGB) or 4 "
+                        f"(RGBA) channels; for {channels}, give build_datasets a dataset of your own")
     augment = augment or {}
     train_transform, val_transform = build_transforms(img_size, **augment, fill=mean)
     # Large JPEGs are decoded at reduced size: training keeps twice the crop size (random

@@ -294,8 +294,6 @@ def erase_value(mean):
     return [round(255 * m) for m in mean] if mean is not None else 0
 
 
-ERASE_VALUE = erase_value(IMAGENET_MEAN)
-
 
 def build_transforms(img_size, auto_augment="none", random_erase=0.0, val_resize_size=None, hflip=0.5,
                      fill=IMAGENET_MEAN):

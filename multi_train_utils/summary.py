@@ -135,8 +135,10 @@ def print_end_summary(args, state, seconds, plots=()):
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
     size, files = folder_bytes(output_dir)
-    print(f"disk: {output_dir} holds {format_bytes(size)} in {files} file{'s' * (files != 1)} (model-best.pth is the "
-          "best epoch's model-{epoch}.pth under a second name, not a copy, while that file is kept)")
+    epoch_file = os.path.join(output_dir, f"model-{epoch}.pth")
+    shared = os.path.isfile(epoch_file) and os.path.isfile(best) and os.path.samefile(best, epoch_file)
+    print(f"disk: {output_dir} holds {format_bytes(size)} in {plural(files, 'file')}"
+          + (f" (model-best.pth is model-{epoch}.pth, one file under two names)" if shared else ""))
     print(RULE, flush=True)
 
 

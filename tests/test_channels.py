@@ -76,3 +76,16 @@ def test_a_std_of_zero_or_less_is_refused_at_the_start(std, ok):
     with pytest.raises(UserError) as caught:
         check_datasets(data)
     assert str(caught.value) == f"my_dataset.build_datasets: Datasets.std is {list(std)}: every value must be positive"
+
+
+def test_image_files_of_two_channels_are_refused_in_one_line_naming_the_count():
+    from multi_train_utils.datasets import image_file_datasets
+    from multi_train_utils.errors import UserError
+
+    split = type("Split", (), dict(train_images_path=["a.png"], train_images_label=[0], val_images_path=["b.png"],
+                                    val_images_label=[1], classes=["a", "b"], skipped=[], skip_reasons={}, notes=[]))
+    with pytest.raises(UserError) as caught:
+        image_file_datasets(split, 16, channels=2, mean=(0.5, 0.5), std=(0.2, 0.2))
+    assert str(caught.value) == ("image_file_datasets(channels=2): image files are read as 1 (gray), 3 (RGB) or 4 "
+                                 "(RGBA) channels; for 2, give build_datasets a dataset of your own")
+    assert image_file_datasets(split, 16, channels=4, mean=(0.5,) * 4, std=(0.2,) * 4).channels == 4
