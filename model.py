@@ -40,6 +40,8 @@ def with_input_channels(model, channels):
     raise UserError(f"{type(model).__name__} has no convolution taking 3 channels to give {channels}; edit "
                     f"model.create_model for images of {channels} channels")
 
+
+# ---------------------------------------------------------------------------------------------
 # How it learns: the loss, the optimizer and the learning-rate schedule. Each takes the flags
 # (``args``) and what it builds on; edit them for your own.
 
