@@ -3,7 +3,6 @@ import contextlib
 import os
 import time
 
-from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
 from multi_train_utils.errors import MidRunError, one_line, resource_error
@@ -11,6 +10,7 @@ from multi_train_utils.files import cpu_tensors, link_atomic, save_atomic
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
                                         save_confusion_matrix, save_figure)
 from multi_train_utils.inputs import file_list_fingerprint
+from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
 from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, args_to_dict, clear_earlier_run, images_of,
                                          model_epoch_files, write_metrics, write_run_settings)

@@ -80,10 +80,12 @@ SAMPLED_FILES = 10_000  # the image files whose names describe_decoders reads (e
 
 def describe_decoders(data):
     """Which decoder reads the formats present among the training files (their endings, from
-    up to SAMPLED_FILES of them): JPEGs TorchCodec where installed, the rest PIL."""
+    up to SAMPLED_FILES of them): JPEGs TorchCodec where installed (RGB data), the rest PIL."""
     paths = getattr(data.train, "images_path", None)
     if paths is None:
         return "images read by your dataset"
+    if getattr(data.train, "channels", 3) != 3:  # gray and RGBA files are read through PIL's modes
+        return "images decoded by PIL"
     step = max(1, len(paths) // SAMPLED_FILES)
     endings = {os.path.splitext(paths[i])[1].lower() for i in range(0, len(paths), step)}
     jpeg = bool(endings & {".jpg", ".jpeg"})

@@ -244,6 +244,7 @@ def test_minimal_files_of_your_own_train_resume_evaluate_predict_and_export_with
 
 def test_four_channel_images_go_the_whole_way_through_our_files(four):
     check_whole_way(four, channels=4)
+    assert "per process; images decoded by PIL\n" in four["resumed"].stdout  # RGBA files: PIL's mode, not TorchCodec
     weights = torch.load(os.path.join(four["out"], "model-1.pth"), weights_only=True)
     assert weights["conv1.weight"].shape[1] == 4  # resnet18's first convolution takes the 4 bands
     with open(os.path.join(four["out"], "args.json")) as f:
