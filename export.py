@@ -5,10 +5,11 @@
 
 The exported model takes float images of shape (N, C, H, W), any N, C the channels of the
 run's images (3 for RGB), H = W = the training image size, normalised with the run's mean and
-std (ImageNet's unless its data said otherwise), and returns one logit per class. A .pt2
-loads with torch alone, without this
-project's code, and carries the class names and the preprocessing (run.json inside it;
-predict.py reads them):
+std (ImageNet's unless its data said otherwise), and returns one logit per class (a
+multi-label run's: a class is predicted where its sigmoid reaches its threshold). A .pt2
+loads with torch alone, without this project's code, and carries the class names, the
+preprocessing and, multi-label, the thresholds (run.json inside it; predict.py reads them;
+an ONNX file has the same text in its metadata, under "run.json"):
 
     program = torch.export.load("model-best.pt2", extra_files={"run.json": ""})
     logits = program.module()(images)
@@ -28,7 +29,7 @@ import torch
 
 from model import create_model
 from multi_train_utils.errors import UserError, printable, run_cli
-from multi_train_utils.exported import ANY_BATCH, SUFFIX, export_program, is_program, load_program
+from multi_train_utils.exported import ANY_BATCH, RUN_FILE, SUFFIX, export_program, is_program, load_program, run_json
 from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.options import add_trained_model_flags
@@ -72,6 +73,7 @@ def export_onnx(model, example, path, run):
     program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=ANY_BATCH,
                                 input_names=["images"], output_names=["logits"], verbose=False)
     proto = program.model_proto
+    onnx.helper.set_model_props(proto, {RUN_FILE: run_json(run)})  # the run's settings, as a .pt2 has them
     onnx.checker.check_model(proto)
     write_bytes_atomic(proto.SerializeToString(), path)
 
@@ -111,7 +113,8 @@ def main(argv=None):
     example = torch.randn(2, channels, img_size, img_size, generator=generator)
     resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
     run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "channels": channels,
-           "mean": trained.mean, "std": trained.std, "classes": classes}
+           "mean": trained.mean, "std": trained.std, "classes": classes, "multi_label": trained.multi_label,
+           "thresholds": trained.thresholds}
     unchecked = unchecked_path(output)
     try:
         with torch.no_grad():
@@ -126,7 +129,8 @@ def main(argv=None):
     finally:
         if os.path.exists(unchecked):
             os.remove(unchecked)  # never leave a file that was not checked
-    print(printable(f"wrote {output} ({args.format}, {model_name}, {len(classes)} classes, input (N, {channels}, "
+    kind = "multi-label, " if trained.multi_label else ""
+    print(printable(f"wrote {output} ({args.format}, {model_name}, {kind}{len(classes)} classes, input (N, {channels}, "
                     f"{img_size}, {img_size}): shorter side resized to {resize}, center-cropped, "
                     f"{normalisation_text(trained.mean, trained.std)}); max difference to the eager model on a check "
                     f"batch: {difference:.2e}"))

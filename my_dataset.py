@@ -6,12 +6,13 @@ What both training scripts need from a dataset (the contract):
 - ``dataset[i]`` is ``(image, label)``: ``image`` a CHW tensor of ``Datasets.channels``
   channels (3 unless you say), either uint8 (0-255) or float in [0, 1], of the same size for
   every item (the transforms crop to --img-size), and ``label`` an int in
-  ``range(len(classes))``. Do not normalise: the loop normalises on the device with
+  ``range(len(classes))`` (--multi-label: a float tensor of one 0/1 entry per class). Do not
+  normalise: the loop normalises on the device with
   ``Datasets.mean`` and ``std`` (ImageNet's unless you say; ``None``: the images are used as
   they come, floats of any range, uint8 scaled to [0, 1]). predict.py and the export do the same;
 - optional, ``dataset.targets``: the label of every item, in order (torchvision's
-  ``ImageFolder`` has it). The start summary's images per class and class_distribution.png
-  use it; without it they show the totals only.
+  ``ImageFolder`` has it; multi-label: an images x classes array). The start summary's
+  images per class and class_distribution.png use it; without it they show the totals only.
 
 Exact resume: the training loader asks each dataset item as ``(epoch, index)``, and
 ``SeededSamples`` seeds torch's CPU generator and Python's ``random`` from (--seed, epoch,
@@ -30,7 +31,8 @@ def build_datasets(args):
     """The training and validation datasets and the class names. Edit this for your own data.
 
     Built in: the class folders of --data-path (split by --val-rate, or --val-path for the
-    validation images), or the CSV label files --train-list / --val-list; as ``MyDataSet``
+    validation images), or the CSV label files --train-list / --val-list (with --multi-label,
+    several classes a row); as ``MyDataSet``
     with the transforms of ``multi_train_utils.images``. Any datasets that keep the contract
     at the top of this file work in their place, for example torchvision's ImageFolder on
     folders data/train and data/val (each with one sub-folder per class)::
@@ -51,7 +53,8 @@ def build_datasets(args):
     """
     check = args.check_images  # open every image first (slow on large data)
     if args.train_list:
-        split = listed_once(lambda: read_label_files(args.train_list, args.val_list, args.val_rate, args.seed, check))
+        split = listed_once(lambda: read_label_files(args.train_list, args.val_list, args.val_rate, args.seed, check,
+                                                     multi_label=args.multi_label))
     else:
         split = listed_once(lambda: read_split_data(args.data_path, args.val_rate, args.seed, args.val_path, check))
     return image_file_datasets(split, args.img_size, augment_settings(args))

@@ -6,7 +6,9 @@
 
 The model name and image size come from the run's args.json beside the weights, the class
 names from its class_indices.json (or from --model, --img-size, --class-indices); a .pt2
-from export.py carries all three and the resize inside. A file that
+from export.py carries all three and the resize inside. A multi-label run's model gives each
+class a probability (sigmoid) and predicts the classes at or above their thresholds (the
+run's thresholds.json, or inside the .pt2; 0.5 each without one). A file that
 cannot be read is named and skipped; the rest of the folder is still predicted.
 """
 import argparse
@@ -26,6 +28,7 @@ from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import (IMG_EXTENSIONS, MODES, DeviceNormalizer, build_transforms, read_image_uint8,
                                      unreadable_reason)
+from multi_train_utils.multi_label import DEFAULT_THRESHOLD, predicted_names
 from multi_train_utils.options import add_trained_model_flags
 from multi_train_utils.run_files import (TrainedModel, load_trained_model, read_class_indices, read_val_resize_size,
                                          trained_model_files)
@@ -37,7 +40,9 @@ def get_args_parser():
     add_trained_model_flags(parser, takes_pt2=True)
     parser.add_argument("--image", required=True, help="an image file, or a folder (searched recursively)")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to print per image")
-    parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's probability")
+    parser.add_argument("--output", default=None, help="write a CSV: path, prediction, probability, then every class's "
+                        "probability (multi-label: path, the classes at or above their thresholds, then every class's "
+                        "probability)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file (never one this command reads: the weights, args.json, class_indices.json or an image)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (default: the cores, up to 8)")
@@ -108,15 +113,17 @@ class ImageFiles(Dataset):
 
 
 @torch.no_grad()
-def predict(model, loader, to_device, progress=True):
+def predict(model, loader, to_device, progress=True, multi_label=False):
     """Yield (index, probabilities) for each decodable image and (index, error) for the others;
-    ``to_device``: a DeviceNormalizer with the run's mean and std."""
+    ``to_device``: a DeviceNormalizer with the run's mean and std. Probabilities: softmax over
+    the classes, or with ``multi_label`` each class's sigmoid."""
     for images, indices, errors in tqdm(loader, desc="[predict]", disable=not progress, file=sys.stdout):
         for index, error in errors:
             yield index, error
         if images is not None:
-            probabilities = torch.softmax(model(to_device.normalize(images)).float(), dim=1).cpu()
-            yield from zip(indices, probabilities)
+            logits = model(to_device.normalize(images)).float()
+            probabilities = torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=1)
+            yield from zip(indices, probabilities.cpu())
 
 
 def main(argv=None):
@@ -145,22 +152,22 @@ def main(argv=None):
         print(printable(f"warning: skipping folder {name}: {why}"))
     rows, skipped = [], len(unreadable_folders)
     to_device = DeviceNormalizer(device, mean=trained.mean, std=trained.std)
-    for index, result in predict(trained.model, loader, to_device, progress=folder):
+    thresholds = trained.thresholds or [DEFAULT_THRESHOLD] * len(classes)
+    for index, result in predict(trained.model, loader, to_device, progress=folder, multi_label=trained.multi_label):
         if isinstance(result, str):
             skipped += 1
             tqdm.write(printable(f"warning: skipping {paths[index]}: {result}"), file=sys.stdout)
             continue
         rows.append((paths[index], result))
         if args.output is None:
-            top = torch.topk(result, min(args.top_k, len(classes)))
-            tqdm.write(printable(f"{paths[index]}: " + ", ".join(f"{classes[int(i)]} {float(p):.3f}"
-                                                                 for p, i in zip(top.values, top.indices))),
-                       file=sys.stdout)
+            tqdm.write(printable(f"{paths[index]}: " + describe_prediction(result, classes, thresholds, args.top_k,
+                                                                          trained.multi_label)), file=sys.stdout)
     if not rows:
         raise UserError(f"--image {printable(args.image)}: no image could be read (see the warnings above)")
     skipped_note = f"skipped {skipped} that could not be read (named above)" if skipped else "skipped none"
     if args.output:
-        write_csv_atomic(prediction_rows(rows, classes), args.output)
+        write_csv_atomic(multi_label_rows(rows, classes, thresholds) if trained.multi_label else
+                         prediction_rows(rows, classes), args.output)
         print(printable(f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {args.output}; {skipped_note}"))
     elif folder or skipped:
         print(f"predicted {len(rows)} image{'s' * (len(rows) != 1)}; {skipped_note}")
@@ -182,8 +189,29 @@ def load_model(args, device):
         raise UserError(f"--class-indices {printable(args.class_indices)}: names {len(classes)} classes, the .pt2 "
                         f"predicts {len(run['classes'])}")
     trained = TrainedModel(model, run["model"], run["img_size"], classes, channels=run["channels"],
-                           mean=run["mean"], std=run["std"])
+                           mean=run["mean"], std=run["std"], multi_label=run["multi_label"], thresholds=run["thresholds"])
     return trained, args.val_resize_size or run["val_resize_size"]
+
+
+def describe_prediction(probabilities, classes, thresholds, top_k, multi_label=False):
+    """One image's line: the ``top_k`` classes with their probabilities, or (multi-label) the
+    classes at or above their thresholds, most probable first."""
+    if multi_label:
+        chosen = predicted_names(probabilities, thresholds, classes)
+        return ", ".join(f"{name} {p:.3f}" for name, p in chosen) or "none of the classes reaches its threshold"
+    top = torch.topk(probabilities, min(top_k, len(classes)))
+    return ", ".join(f"{classes[int(i)]} {float(p):.3f}" for p, i in zip(top.values, top.indices))
+
+
+def multi_label_rows(rows, classes, thresholds):
+    """A multi-label CSV's rows: the header path, labels, then the classes in index order; per
+    image its path, its classes at or above their thresholds (space-separated, in index order)
+    and every class's probability."""
+    table = [["path", "labels", *classes]]
+    for path, probabilities in rows:
+        labels = " ".join(name for name, p, t in zip(classes, probabilities.tolist(), thresholds) if p >= t)
+        table.append([path, labels, *(f"{float(p):.6f}" for p in probabilities)])
+    return table
 
 
 def prediction_rows(rows, classes):

@@ -16,9 +16,10 @@ def read_split_data(root, val_rate=0.2, seed=0, val_root=None, check_images=Fals
     return split_class_folders(root, val_rate, seed, val_root, check_images)
 
 
-def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False):
+def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False, multi_label=False):
     """The images listed in CSV files with the header ``path,label`` (paths relative to the CSV,
     labels class names; the classes are the sorted labels of ``train_list``), as
     ``read_split_data`` returns them; without ``val_list`` the training list is split as
-    folders are."""
-    return split_label_files(train_list, val_list, val_rate, seed, check_images)
+    folders are. ``multi_label``: the header ``path,labels``, each row's classes separated by
+    spaces, and each image's labels a list of class indices."""
+    return split_label_files(train_list, val_list, val_rate, seed, check_images, multi_label=multi_label)

@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler, Sampler
 from multi_train_utils.errors import UserError
 from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.loaders import sample_seed
+from multi_train_utils.multi_label import is_multi_hot, positive_weights
 
 # Added to --seed so that the balanced draw is not the same stream as the model's or the
 # augmentations' seeds of the same (seed, epoch).
@@ -25,13 +26,17 @@ _DRAW_SALT = 104_729
 
 def training_labels(dataset):
     """The label of every item of ``dataset`` (a ``SeededSamples`` is unwrapped), from its
-    ``targets``; ``None`` where the dataset has none. Never reads an image."""
+    ``targets`` (multi-label: an images x classes array); ``None`` where the dataset has none.
+    Never reads an image."""
     while not hasattr(dataset, "targets") and hasattr(dataset, "dataset"):
         dataset = dataset.dataset  # SeededSamples, torch's Subset-like wrappers
     targets = getattr(dataset, "targets", None)
     if targets is None:
         return None
-    labels = targets.tolist() if isinstance(targets, np.ndarray) else [int(y) for y in targets]
+    if is_multi_hot(targets):  # multi-label: the images x classes array itself
+        labels = np.asarray(targets)
+    else:
+        labels = targets.tolist() if isinstance(targets, np.ndarray) else [int(y) for y in targets]
     if len(labels) != len(dataset):
         raise UserError(f"a dataset of {len(dataset)} items has {len(labels)} targets: "
                         "targets must give the label of every item, in order")
@@ -66,14 +71,16 @@ def imbalance_warning(args, counts, classes):
     if args.sampler != "shuffle" or args.class_weights != "none":
         return None
     imbalance = find_imbalance_in_counts(counts, classes)
-    return None if imbalance is None else imbalance.warning()
+    return None if imbalance is None else imbalance.warning(args.multi_label)
 
 
 def loss_class_weights(args, dataset, num_classes):
-    """--class-weights balanced: ``class_weights`` of the training labels; None for none."""
+    """--class-weights balanced: ``class_weights`` of the training labels (--multi-label: each
+    class's positive weight, ``multi_label.positive_weights``); None for none."""
     if args.class_weights != "balanced":
         return None
-    return class_weights(required_labels(dataset, "--class-weights balanced"), num_classes)
+    labels = required_labels(dataset, "--class-weights balanced")
+    return positive_weights(labels) if args.multi_label else class_weights(labels, num_classes)
 
 
 def label_counts(labels, num_classes):
@@ -107,10 +114,12 @@ class Imbalance(NamedTuple):
     smallest: str
     smallest_count: int
 
-    def warning(self):
-        """The start summary's line: what is imbalanced, and the two flags that help."""
+    def warning(self, multi_label=False):
+        """The start summary's line: what is imbalanced, and the flags that help (multi-label:
+        the class weights alone)."""
+        flags = "--class-weights balanced" if multi_label else "--sampler balanced or --class-weights balanced"
         return (f"the classes are imbalanced: {self.largest} has {self.largest_count} training images, "
-                f"{self.smallest} {self.smallest_count}; consider --sampler balanced or --class-weights balanced")
+                f"{self.smallest} {self.smallest_count}; consider {flags}")
 
 
 def find_imbalance(labels, classes, ratio=3.0) -> Optional[Imbalance]:

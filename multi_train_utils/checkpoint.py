@@ -23,7 +23,8 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
                      "args": MAPPING, "metrics": ROWS, "best_accuracy": NUMBER, "best_epoch": WHOLE_NUMBER,
                      "best_confusion": TENSOR_OR_NULL, "log_dir": TEXT_OR_NULL, "world_size": WHOLE_NUMBER,
                      "scaler": MAPPING_OR_NULL, "rng": MAPPING, "model_ema": MAPPING_OR_NULL,
-                     "best_value": NUMBER, "best_source": TEXT, "stopped_early": TEXT_OR_NULL}
+                     "best_value": NUMBER, "best_source": TEXT, "stopped_early": TEXT_OR_NULL,
+                     "best_report": MAPPING_OR_NULL}
 # Flags a resume must repeat, with the value a checkpoint without them was trained with:
 # another optimizer or other parameter groups cannot take the saved optimizer state, and
 # another --best-metric would compare the saved best with a different figure.
@@ -32,9 +33,9 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
 # "lr_scheduler": the schedule is a function of the epoch) is left out when it is read.
 EARLIER_CHECKPOINTS = {"best_accuracy": -1.0, "best_epoch": -1, "best_source": "model", "best_confusion": None,
                        "metrics": [], "log_dir": None, "scaler": None, "rng": {}, "model_ema": None,
-                       "stopped_early": None, "file_list": None, "world_size": None}
+                       "stopped_early": None, "file_list": None, "world_size": None, "best_report": None}
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
-                  "best_metric": "accuracy"}
+                  "best_metric": "accuracy", "multi_label": False}
 
 
 @dataclass
@@ -46,6 +47,7 @@ class BestEpoch:
     epoch: int = -1
     source: str = "model"  # "model" or "ema": whose weights model-best.pth holds
     confusion: Optional[torch.Tensor] = None  # for the confusion matrix picture at the end
+    report: Optional[dict] = None  # multi-label: per-class figures, thresholds, worst curves (MultiLabelResult.report)
 
     @classmethod
     def from_checkpoint(cls, checkpoint):
@@ -53,7 +55,7 @@ class BestEpoch:
         if not checkpoint:
             return cls()
         return cls(checkpoint["best_value"], checkpoint["best_accuracy"], checkpoint["best_epoch"],
-                   checkpoint["best_source"], checkpoint["best_confusion"])
+                   checkpoint["best_source"], checkpoint["best_confusion"], report=checkpoint["best_report"])
 
 
 @dataclass
@@ -85,6 +87,7 @@ def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, 
             "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
             "epoch": state.epoch - 1, "best_accuracy": best.accuracy, "best_value": best.value,
             "best_epoch": best.epoch, "best_source": best.source, "best_confusion": best.confusion,
+            "best_report": best.report,
             "stopped_early": state.stop_reason, "rng": rng_state(), "metrics": metrics, "args": args,
             "classes": list(classes), "file_list": file_list, "world_size": world_size, "log_dir": log_dir}
 

@@ -6,6 +6,7 @@ import csv
 import os
 import random
 from collections import Counter
+from functools import partial
 from typing import Dict, List, NamedTuple
 
 from multi_train_utils.errors import UserError
@@ -29,6 +30,7 @@ class DataSplit(NamedTuple):
     skipped: List[str]  # files and folders left out: not readable as images, or symlink loops
     skip_reasons: Dict[str, str] = {}  # {skipped path: why}, e.g. "not a readable image: too many pixels ..."
     notes: List[str] = []  # other warnings: a class that gets no validation image
+    multi_label: bool = False  # labels are lists of class indices (an image of several classes, or none)
 
 
 def find_classes(root, flag="--data-path"):
@@ -144,18 +146,20 @@ def _nonempty_split(train, val, classes, skipped, val_rate, val_list=None):
     (train_images, train_labels), (val_images, val_labels) = train, val
     if not train_images:
         raise UserError(f"--val-rate {val_rate}: no images left for training; lower --val-rate")
-    notes, train_counts = [], Counter(train_labels)
-    missing = sorted(set(range(len(classes))) - set(val_labels))
+    as_lists = lambda labels: [y if isinstance(y, list) else [y] for y in labels]  # noqa: E731 (multi-label: lists)
+    train_counts = Counter(c for y in as_lists(train_labels) for c in y)
+    notes, measured = [], "AP" if val_labels and isinstance(val_labels[0], list) else "accuracy"
+    missing = sorted(set(range(len(classes))) - {c for y in as_lists(val_labels) for c in y})
     if len(missing) > MAX_NOTES:  # a thousand classes: one line, not one a class
         named = ", ".join(repr(classes[c]) for c in missing[:3])
-        notes = [f"{len(missing)} classes get no validation image ({named}, ...): their accuracy is never measured; "
+        notes = [f"{len(missing)} classes get no validation image ({named}, ...): their {measured} is never measured; "
                  + ("list some of their images in --val-list" if val_list else "add images or raise --val-rate")]
         missing = []
     for label in missing:
         count = train_counts[label]
         why, fix = ((f"--val-list {val_list} lists none of its {count}", "list some of them there") if val_list else
                     (f"{count} image(s), round({count} x --val-rate {val_rate}) = 0", "add images or raise --val-rate"))
-        notes.append(f"class {classes[label]!r} gets no validation image ({why}): its accuracy is never measured; "
+        notes.append(f"class {classes[label]!r} gets no validation image ({why}): its {measured} is never measured; "
                      f"{fix}")
     return DataSplit(train_images_path=train_images, train_images_label=train_labels, val_images_path=val_images,
                      val_images_label=val_labels, classes=classes, skipped=list(skipped), skip_reasons=dict(skipped),
@@ -191,12 +195,29 @@ def split_by_class(images, labels, classes, val_rate, seed):
     return train_images, train_labels, val_images, val_labels
 
 
-def _read_label_file(path, flag):
-    """[(image path, class name, line number)] of a CSV with a header ``path,label``; image
-    paths relative to the CSV's folder. A missing CSV, a wrong header or row, and a listed
-    file that does not exist are errors naming the line."""
+def _label_names(cell, header, multi_label, where):
+    """The class names of one row's label cell: the cell itself under the header path,label;
+    under path,labels (or with --multi-label) its space-separated names, each once. Without
+    --multi-label a row must name exactly one class."""
+    if header == "label" and not multi_label:
+        return (cell.strip(),) if cell.strip() else ()
+    names = tuple(cell.split())
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(f"{where}: the label {twice[0]!r} is there twice; list each of an image's classes once")
+    if len(names) > 1 and not multi_label:
+        raise UserError(f"{where}: {len(names)} labels ({cell.strip()!r}): an image of several classes needs "
+                        "--multi-label")
+    return names
+
+
+def _read_label_file(path, flag, multi_label=False):
+    """[(image path, class names, line number)] of a CSV with a header ``path,label`` or
+    ``path,labels`` (see ``_label_names``); image paths relative to the CSV's folder. A missing
+    CSV, a wrong header or row, and a listed file that does not exist are errors naming the line."""
+    header_text = "path,labels" if multi_label else "path,label"
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {path}: no such file; give a CSV file with the header path,label")
+        raise UserError(f"{flag} {path}: no such file; give a CSV file with the header {header_text}")
     folder = os.path.dirname(os.path.abspath(path))
     rows, seen = [], {}
     try:
@@ -204,47 +225,59 @@ def _read_label_file(path, flag):
         with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
             reader = csv.reader(f)
             header = [h.strip() for h in next(reader, [])]
-            if header != ["path", "label"]:
-                raise UserError(f"{flag} {path}: the first line must be the header path,label "
+            if header not in (["path", "label"], ["path", "labels"]):
+                raise UserError(f"{flag} {path}: the first line must be the header {header_text} "
                                 f"(found {','.join(header) or 'an empty file'})")
             for row in reader:
                 if not any(field.strip() for field in row):
                     continue  # a blank line
-                if len(row) != 2 or not row[0].strip() or not row[1].strip():
-                    raise UserError(f"{flag} {path}, line {reader.line_num}: expected path,label; "
-                                    f"found {','.join(row)!r}")
+                where = f"{flag} {path}, line {reader.line_num}"
+                names = _label_names(row[1], header[1], multi_label, where) if len(row) == 2 else None
+                if names is None or not row[0].strip() or not (names or multi_label):
+                    raise UserError(f"{where}: expected {header_text}; found {','.join(row)!r}")
                 image = os.path.normpath(os.path.join(folder, row[0].strip()))
                 if image in seen:
-                    raise UserError(f"{flag} {path}, line {reader.line_num}: {image} is listed already on line "
-                                    f"{seen[image]}; list each image once")
+                    raise UserError(f"{where}: {image} is listed already on line {seen[image]}; list each image once")
                 seen[image] = reader.line_num
                 if no_file_at(image):
-                    raise UserError(f"{flag} {path}, line {reader.line_num}: {image}: no such file; fix the "
-                                    "path (relative to the CSV's folder) or remove the line")
-                rows.append((image, row[1].strip(), reader.line_num))
+                    raise UserError(f"{where}: {image}: no such file; fix the path (relative to the CSV's folder) or "
+                                    "remove the line")
+                rows.append((image, names, reader.line_num))
     except (UnicodeDecodeError, csv.Error) as e:
         raise UserError(f"{flag} {path}: not a readable CSV file ({e})") from None
     if not rows:
-        raise UserError(f"{flag} {path}: lists no images; add lines path,label")
+        raise UserError(f"{flag} {path}: lists no images; add lines {header_text}")
     return rows
 
 
 def _readable_rows(rows, classes, path, flag, check_images=False):
-    """Images and labels of the rows (with ``check_images``, of those whose file opens as an
-    image), and {skipped file: why}."""
+    """Images and labels (a list of class indices per image) of the rows (with
+    ``check_images``, of those whose file opens as an image), and {skipped file: why}."""
     images, labels, skipped, label_of = [], [], {}, {name: label for label, name in enumerate(classes)}
-    for image, name, line in rows:
-        if name not in label_of:
-            raise UserError(f"{flag} {path}, line {line}: class {name!r} is not one of the training classes "
-                            f"{classes}; fix the label or add the class to --train-list")
+    for image, names, line in rows:
+        for name in names:
+            if name not in label_of:
+                raise UserError(f"{flag} {path}, line {line}: class {name!r} is not one of the training classes "
+                                f"{classes}; fix the label or add the class to --train-list")
         if check_images and image not in readable_images([image], skipped):
             continue
         images.append(image)
-        labels.append(label_of[name])
+        labels.append([label_of[name] for name in names])
     return images, labels, skipped
 
 
-def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False):
+def split_at_random(images, labels, val_rate, seed):
+    """(train images, train labels, val images, val labels): ``round(n * val_rate)`` of the
+    images to val, chosen by ``random.Random(seed)``; each split in the listed order. For
+    multi-label lists, where classes cannot each be split by themselves."""
+    if not 0.0 <= val_rate < 1.0:
+        raise UserError(f"--val-rate {val_rate}: must be at least 0 and below 1 (e.g. 0.2)")
+    chosen = set(random.Random(seed).sample(range(len(images)), int(round(len(images) * val_rate))))
+    parts = ([i for i in range(len(images)) if i not in chosen], sorted(chosen))
+    return tuple(values for part in parts for values in ([images[i] for i in part], [labels[i] for i in part]))
+
+
+def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False, multi_label=False):
     """Images and labels listed in CSV files (header ``path,label``, the label a class name,
     paths relative to the CSV), as ``split_class_folders`` returns them for folders.
 
@@ -253,32 +286,41 @@ def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_ima
     ``check_images``: then listed files that PIL cannot open are skipped (and listed in
     ``skipped``). A class of ``train_list`` left without images, a
     class in ``val_list`` that ``train_list`` lacks, and a missing file are errors.
+
+    ``multi_label``: the header ``path,labels``, each row's classes separated by spaces (none:
+    an image of no class); the classes are the sorted union of the training rows' classes, the
+    labels lists of class indices, and without ``val_list`` the split is ``split_at_random``.
     """
-    rows = _read_label_file(train_list, "--train-list")
-    classes = sorted({name for _, name, _ in rows})
+    rows = _read_label_file(train_list, "--train-list", multi_label)
+    classes = sorted({name for _, names, _ in rows for name in names})
     if len(classes) < 2:
-        raise UserError(f"--train-list {train_list}: found 1 class ({classes[0]}); a classifier needs at least 2")
+        raise UserError(f"--train-list {train_list}: found {len(classes)} class{'es' * (len(classes) != 1)} "
+                        f"({', '.join(classes) or 'no labels'}); a classifier needs at least 2")
     images, labels, skipped = _readable_rows(rows, classes, train_list, "--train-list", check_images)
-    present = set(labels)
+    present = {label for image_labels in labels for label in image_labels}
     for label, name in enumerate(classes):
         if label not in present:
             raise UserError(f"--train-list {train_list}: class {name!r} has no readable images; "
                             "add images or remove its lines")
+    if not multi_label:
+        labels = [image_labels[0] for image_labels in labels]
     if val_list is None:
-        train_images, train_labels, val_images, val_labels = split_by_class(images, labels, classes, val_rate, seed)
+        split = split_at_random if multi_label else partial(split_by_class, classes=classes)
+        train_images, train_labels, val_images, val_labels = split(images, labels, val_rate=val_rate, seed=seed)
     else:
         train_images, train_labels = images, labels
-        val_rows = _read_label_file(val_list, "--val-list")
+        val_rows = _read_label_file(val_list, "--val-list", multi_label)
         in_train = {image: line for image, _, line in rows}
         for image, _, line in val_rows:
             if image in in_train:
                 raise UserError(f"--val-list {val_list}, line {line}: {image} is in --train-list too (line "
                                 f"{in_train[image]}); validate on images the model does not train on")
         val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list", check_images)
+        val_labels = val_labels if multi_label else [image_labels[0] for image_labels in val_labels]
         skipped.update(val_skipped)
     if not val_images:
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
                         "raise --val-rate or give --val-list" if val_list is None else
                         f"--val-list {val_list}: none of its images can be read")
     return _nonempty_split((train_images, train_labels), (val_images, val_labels), classes, skipped,
-                           val_rate=val_rate, val_list=val_list)
+                           val_rate=val_rate, val_list=val_list)._replace(multi_label=multi_label)

@@ -58,12 +58,13 @@ def image_file_datasets(split, img_size, augment=None, channels=3, mean=IMAGENET
 IF_UNREADABLE = ("stop", "replace", "leave out")
 # This many unreadable files in a row stop the run: the data itself is likely gone.
 MAX_UNREADABLE_IN_A_ROW = 10
-LEFT_OUT = -1  # the label of an image left out of validation
+LEFT_OUT = -1  # the label of an image left out of validation (multi-label: every entry of its row)
 
 
 class MyDataSet(Dataset):
     """Images and labels from lists of paths, as ``utils.read_split_data`` returns them (the
-    tutorial's dataset; my_dataset.py hands it out).
+    tutorial's dataset; my_dataset.py hands it out). Labels: class indices, or multi-hot rows
+    (a 2-D array, --multi-label), given as float32 tensors.
 
     Items are (uint8 image tensor, label): the transforms augment uint8 tensors, and the
     training loop converts to float and normalises on the device (fewer bytes to copy).
@@ -100,7 +101,7 @@ class MyDataSet(Dataset):
                 return self._load(index)
             except UnreadableImage as e:
                 print(f"warning: {e}; left out of this validation", file=sys.stderr, flush=True)
-                return self._placeholder(), LEFT_OUT
+                return self._placeholder(), self._label(index, left_out=True)
         return self._load_or_the_next(index)
 
     def _load_or_the_next(self, index):
@@ -119,7 +120,15 @@ class MyDataSet(Dataset):
 
     def _load(self, index):
         img = read_image_uint8(self.images_path[index], self.keep_side, self.channels)
-        return (self.transform(img) if self.transform is not None else img), int(self.images_class[index])
+        return (self.transform(img) if self.transform is not None else img), self._label(index)
+
+    def _label(self, index, left_out=False):
+        """The label of item ``index``: its class, or for multi-label data its multi-hot row as
+        float32; LEFT_OUT (every entry of the row) for an image left out."""
+        if self.images_class.ndim == 2:
+            row = torch.from_numpy(self.images_class[index].astype("float32"))
+            return row.fill_(LEFT_OUT) if left_out else row
+        return LEFT_OUT if left_out else int(self.images_class[index])
 
     def _placeholder(self):
         """A black image of the size the transform gives (what an image left out occupies in its batch)."""

@@ -417,6 +417,21 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def all_gather_rows(rows):
+    """The rows of every rank, rank 0's first, on every rank: each rank's own number of rows
+    (no padding in the result; the transfer pads to the longest and trims)."""
+    if not is_dist_avail_and_initialized() or dist.get_world_size() == 1:
+        return rows
+    counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(rows)], device=rows.device))
+    counts = [int(c) for c in torch.cat(counts).cpu()]
+    padded = rows.new_zeros(max(counts), *rows.shape[1:])
+    padded[:len(rows)] = rows
+    gathered = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(gathered, padded)
+    return torch.cat([block[:count] for block, count in zip(gathered, counts)])
+
+
 def broadcast_buffers(module, src=0):
     """Give every rank rank ``src``'s buffers (BatchNorm's running statistics).
 

@@ -11,10 +11,12 @@ from multi_train_utils.errors import UserError, one_line, printable
 from multi_train_utils.files import write_bytes_atomic
 
 SUFFIX = ".pt2"  # torch.export.load goes by it
-RUN_FILE = "run.json"  # inside a .pt2: model, img_size, val_resize_size, channels, mean, std, classes
+RUN_FILE = "run.json"  # inside a .pt2 (and an ONNX file's metadata): the run's settings, RUN_KEYS and the rest
 RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")  # a .pt2 must have them
-# What an earlier export.py did not write, as its programs were: RGB.
-EARLIER_PROGRAMS = {"channels": 3}
+# What an earlier export.py did not write, as its programs were: RGB, one class an image. A
+# multi-label program's outputs are one logit per class, a class predicted where its sigmoid
+# reaches its threshold (None: 0.5 each).
+EARLIER_PROGRAMS = {"channels": 3, "multi_label": False, "thresholds": None}
 # torch.export's dynamic_shapes of the one input: any batch size, the rest as the example's
 ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
 
@@ -34,10 +36,14 @@ def export_program(model, example, path, run):
         raise UserError(f"torch.export cannot capture {run['model']} ({printable(why)}); see "
                         "https://pytorch.org/docs/stable/export.html for what it needs") from None
     buffer = io.BytesIO()
-    run = {**EARLIER_PROGRAMS, **run}
-    kept = {key: run[key] for key in (*RUN_KEYS, *EARLIER_PROGRAMS)}
-    torch.export.save(program, buffer, extra_files={RUN_FILE: json.dumps(kept)})
+    torch.export.save(program, buffer, extra_files={RUN_FILE: run_json(run)})
     write_bytes_atomic(buffer.getvalue(), path)
+
+
+def run_json(run):
+    """The text of RUN_FILE: the keys of RUN_KEYS and EARLIER_PROGRAMS of ``run``."""
+    run = {**EARLIER_PROGRAMS, **run}
+    return json.dumps({key: run[key] for key in (*RUN_KEYS, *EARLIER_PROGRAMS)})
 
 
 def load_program(path, device=None):

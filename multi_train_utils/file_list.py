@@ -72,16 +72,30 @@ class PathList(Sequence):
 
 
 def compact_labels(labels):
-    """Labels as one int64 array (no Python int per item)."""
+    """Labels as one int64 array (no Python int per item); multi-hot rows (a 2-D array) as they are."""
+    if isinstance(labels, np.ndarray) and labels.ndim == 2:
+        return labels
     return np.asarray(labels, dtype=np.int64).reshape(-1)
 
 
+def multi_hot(labels, num_classes):
+    """Lists of class indices as one uint8 array of multi-hot rows (images x classes)."""
+    rows = np.zeros((len(labels), num_classes), dtype=np.uint8)
+    for row, image_labels in zip(rows, labels):
+        row[list(image_labels)] = 1
+    return rows
+
+
 def compact_split(split):
-    """``split`` (utils.DataSplit) with its paths as PathLists and its labels as arrays."""
-    return split._replace(train_images_path=PathList(split.train_images_path),
-                          train_images_label=compact_labels(split.train_images_label),
-                          val_images_path=PathList(split.val_images_path),
-                          val_images_label=compact_labels(split.val_images_label))
+    """``split`` (utils.DataSplit) with its paths as PathLists and its labels as arrays (a
+    multi-label split's as multi-hot rows)."""
+    if split.multi_label:
+        labels = [multi_hot(split.train_images_label, len(split.classes)),
+                  multi_hot(split.val_images_label, len(split.classes))]
+    else:
+        labels = [compact_labels(split.train_images_label), compact_labels(split.val_images_label)]
+    return split._replace(train_images_path=PathList(split.train_images_path), train_images_label=labels[0],
+                          val_images_path=PathList(split.val_images_path), val_images_label=labels[1])
 
 
 _ARRAYS = ("train_images_path", "train_images_label", "val_images_path", "val_images_label")
@@ -106,13 +120,13 @@ def listed_once(read_split):
     arrays = None if split is None else _arrays(split)
     # first the small part (error or class names, skipped files, array sizes), then the arrays
     header = [error, None if split is None else (split._replace(**dict.fromkeys(_ARRAYS)),
-                                                 [(len(a), a.dtype) for a in arrays])]
+                                                 [(a.shape, a.dtype) for a in arrays])]
     dist.broadcast_object_list(header, src=0, device=device)
     error, rest = header
     if error is not None:
         raise UserError(error if get_rank() == 0 else "rank 0 could not list the data; see its error")
     small, sizes = rest
-    arrays = arrays or [np.empty(n, dtype=dtype) for n, dtype in sizes]
+    arrays = arrays or [np.empty(shape, dtype=dtype) for shape, dtype in sizes]
     for array in arrays:
         tensor = torch.from_numpy(array)
         moved = tensor.to(device) if device is not None else tensor

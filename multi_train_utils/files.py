@@ -215,6 +215,7 @@ def _is_whole(value):
 # Kinds of values in a run's files: (test, how an error message names the kind).
 WHOLE_NUMBER = (_is_whole, "a whole number")
 WHOLE_NUMBER_OR_NULL = (lambda v: v is None or _is_whole(v), "a whole number or null")
+FLAG = (lambda v: isinstance(v, bool), "true or false")
 NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
 TEXT = (lambda v: isinstance(v, str), "a string")
 TEXT_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")

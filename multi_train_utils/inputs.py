@@ -147,7 +147,7 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
         data = build_datasets(args)
     except OSError as e:  # a folder or file that build_datasets (yours, maybe) did not find
         raise UserError(f"my_dataset.build_datasets: {e}; check --data-path (or where your datasets read)") from None
-    check_datasets(data)
+    check_datasets(data, args.multi_label)
     found, where = len(data.classes), args.train_list or args.data_path
     if args.num_classes is not None and args.num_classes != found:
         raise UserError(
@@ -173,12 +173,13 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
     return data
 
 
-def check_datasets(data):
+def check_datasets(data, multi_label=False):
     """What my_dataset.py's contract asks, checked before training: two datasets and 2 or more
     class names; a mean and std of one value per channel; labels that fit the classes
     (``targets``, and the first item's label); and, for a dataset other than MyDataSet, a
     first item (image, label) with image a uint8 CHW tensor of ``data.channels`` channels or
-    a float one (in [0, 1] unless the mean is None), label an integer."""
+    a float one (in [0, 1] unless the mean is None), label an integer, or with
+    ``multi_label`` (--multi-label) a tensor of one 0/1 value per class."""
     if not all(hasattr(data, name) for name in ("train", "val", "classes")):
         raise UserError(f"my_dataset.build_datasets returned a {type(data).__name__}; return "
                         "Datasets(train, val, classes)")
@@ -195,15 +196,21 @@ def check_datasets(data):
         if own_classes is not None and list(own_classes) != list(data.classes):
             raise UserError(f"{where} has the classes {list(own_classes)}, not {list(data.classes)}: its labels "
                             "would mean other classes; give both datasets the same class folders")
-        if isinstance(dataset, MyDataSet):
-            continue  # built in: its files and labels come from the split
+        if isinstance(dataset, MyDataSet):  # built in: its files and labels come from the split
+            _check_label_kind(dataset.images_class.ndim == 2, multi_label, where)
+            continue
         targets = getattr(dataset, "targets", None)
         if targets is not None:
-            _check_labels(targets, len(data.classes), where)
+            _check_label_kind(getattr(targets, "ndim", 1) == 2, multi_label, where)
+            _check_labels(targets, len(data.classes), where, multi_label)
         item = dataset[0]
         image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+        if torch.is_tensor(label) and label.ndim == 1 and not multi_label:
+            _check_label_kind(True, multi_label, where + "'s first item")
+        if multi_label:
+            _check_multi_hot_label(label, len(data.classes), where)
         is_label = isinstance(label, numbers.Integral) or (torch.is_tensor(label) and label.numel() == 1
-                                                           and not label.is_floating_point())
+                                                           and not label.is_floating_point()) or multi_label
         if torch.is_tensor(image) and image.ndim == 3 and image.shape[0] != channels and is_label:
             raise UserError(f"{where}'s first image has {image.shape[0]} channel{'s' * (image.shape[0] != 1)}, "
                             f"the data says {channels} (Datasets.channels); give Datasets(..., "
@@ -219,7 +226,28 @@ def check_datasets(data):
         if image.is_floating_point() and mean is not None and float(image.max()) > 1:
             raise UserError(f"{where}'s first image is float with values up to {float(image.max()):g}: give uint8 "
                             "images, or float ones in [0, 1] (v2.ToDtype(torch.float32, scale=True))")
-        _check_labels([int(label)], len(data.classes), where + "'s first item")
+        if not multi_label:
+            _check_labels([int(label)], len(data.classes), where + "'s first item")
+
+
+def _check_label_kind(multi_hot, multi_label, where):
+    """Multi-hot labels with --multi-label, class indices without it."""
+    if multi_hot and not multi_label:
+        raise UserError(f"{where} has multi-hot labels (several classes an image): add --multi-label")
+    if multi_label and not multi_hot:
+        raise UserError(f"--multi-label: {where} has one class an image (class folders are single-label); give "
+                        "--train-list with the header path,labels, or datasets whose labels are multi-hot")
+
+
+def _check_multi_hot_label(label, num_classes, where):
+    """A multi-label item's label: a tensor of one value from 0 to 1 per class."""
+    if not (torch.is_tensor(label) and label.shape == (num_classes,)):
+        found = f"a tensor of shape {tuple(label.shape)}" if torch.is_tensor(label) else f"a {type(label).__name__}"
+        raise UserError(f"--multi-label: {where}'s first label is {found}; give a float tensor of {num_classes} "
+                        "values (one 0/1 value per class)")
+    if label.numel() and not (0 <= float(label.min()) and float(label.max()) <= 1):
+        raise UserError(f"--multi-label: {where}'s first label has values from {float(label.min()):g} to "
+                        f"{float(label.max()):g}; give 0 or 1 per class")
 
 
 def _check_normalisation(data):
@@ -240,8 +268,15 @@ def _check_normalisation(data):
         raise UserError(f"{where}.std is {list(std)}: every value must be positive")
 
 
-def _check_labels(labels, num_classes, where):
-    """Labels must be integers in range(num_classes)."""
+def _check_labels(labels, num_classes, where, multi_label=False):
+    """Labels must be integers in range(num_classes); multi-label targets an images x
+    num_classes array of values from 0 to 1."""
+    if multi_label:
+        shape = tuple(getattr(labels, "shape", ()))
+        if len(shape) != 2 or shape[1] != num_classes:
+            raise UserError(f"{where}: its targets have the shape {shape}, not (images, {num_classes}): one row of "
+                            "0/1 values per image, one value per class")
+        return
     try:
         low, high = min(int(y) for y in labels), max(int(y) for y in labels)
     except (TypeError, ValueError):

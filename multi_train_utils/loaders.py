@@ -93,9 +93,10 @@ MAX_VAL_WORKERS = 2
 
 
 def stack_batch(batch):
-    """The loaders' collate_fn: images stacked into one tensor, labels into another."""
+    """The loaders' collate_fn: images stacked into one tensor, labels (class indices, or
+    multi-hot rows) into another."""
     images, labels = tuple(zip(*batch))
-    return torch.stack(images, dim=0), torch.as_tensor(labels)
+    return torch.stack(images, dim=0), torch.stack(labels) if torch.is_tensor(labels[0]) else torch.as_tensor(labels)
 
 
 def make_loader(dataset, batch_sampler, workers, device, validation=False):

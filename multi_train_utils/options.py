@@ -15,7 +15,7 @@ from multi_train_utils.run_files import read_run_args
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed")
+RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "multi_label")
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
@@ -152,6 +152,9 @@ def add_data_flags(group):
                        help="a CSV with the header path,label instead of class folders (default: none)")
     group.add_argument("--val-list", default=None, metavar="CSV",
                        help="with --train-list: the validation CSV (default: split --train-list)")
+    group.add_argument("--multi-label", action="store_true",
+                       help="an image may carry several classes (or none): --train-list with the header path,labels, "
+                            "each row's classes separated by spaces; one sigmoid per class (docs/multi-label.md)")
     group.add_argument("--val-rate", type=finite_float, default=0.2, help="share of each class held out for validation")
     group.add_argument("--check-images", action=argparse.BooleanOptionalAction, default=False,
                        help="open every image before training and skip those that fail (slow on large data; "
@@ -221,9 +224,13 @@ def add_run_flags(group):
     group.add_argument("--keep-last", type=in_range(int, lambda v: v >= 0, "be 0 (keep all) or more"), default=1,
                        metavar="K", help="keep the last K model-{epoch}.pth; 0 keeps all; "
                                          "default: 1, the last epoch's")
-    group.add_argument("--best-metric", default="accuracy",
-                       choices=["accuracy", "balanced_accuracy", "macro_f1", "loss"],
-                       help="validation metric that picks model-best.pth (loss: the lowest)")
+    group.add_argument("--best-metric", default=None,
+                       choices=["accuracy", "balanced_accuracy", "macro_f1", "loss", "map", "micro_f1"],
+                       help="validation metric that picks model-best.pth (loss: the lowest); default: accuracy, or "
+                            "map with --multi-label (map and micro_f1: multi-label only)")
+    group.add_argument("--tune-thresholds", action="store_true",
+                       help="--multi-label: per class, the threshold of the best F1 on validation at the best epoch, "
+                            "kept in thresholds.json for predict.py and the export (default: 0.5 each)")
     group.add_argument("--patience", type=in_range(int, lambda v: v >= 0, "be 0 (never stop early) or more"), default=0,
                        metavar="N", help="stop after N epochs without a better --best-metric (0: never)")
     group.add_argument("--eval-output", default=None, metavar="DIR",
@@ -279,7 +286,10 @@ def parse_args(parser, argv=None):
         take_run_settings(args, given)
     if args.weight_decay is None:  # each optimizer's usual value
         args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
+    if args.best_metric is None:
+        args.best_metric = "map" if args.multi_label else "accuracy"
     check_numbers(args)
+    check_multi_label_flags(args)
     check_data_flags(args, given)
     check_complete(args)
     return args
@@ -311,7 +321,8 @@ def take_run_settings(args, given):
     for key in taken:
         if key not in given and key in run_args:
             setattr(args, key, run_args[key])
-    for key in DATA_FLAGS:
+    used = ("train_list", "val_list") if args.train_list else ("data_path", "val_path")  # --data-path is unused then
+    for key in used:
         path = getattr(args, key)
         if key not in given and path and not os.path.exists(path):
             raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
@@ -337,6 +348,31 @@ def check_numbers(args):
     if args.val_resize_size is not None and args.val_resize_size < args.img_size:
         raise UserError(f"--val-resize-size {args.val_resize_size}: must be at least --img-size {args.img_size} "
                         "(the center crop is taken from the resized image)")
+
+
+MULTI_LABEL_METRICS = ("map", "micro_f1")  # only multi-label runs have them
+SINGLE_LABEL_METRICS = ("balanced_accuracy",)  # undefined with several classes an image
+
+
+def check_multi_label_flags(args):
+    """The flags that need --multi-label, and those it cannot go with."""
+    if args.multi_label:
+        if args.sampler == "balanced":
+            raise UserError("--sampler balanced with --multi-label: an image of several classes has no one class to "
+                            "balance by; use --class-weights balanced (a positive weight per class)")
+        if args.best_metric in SINGLE_LABEL_METRICS:
+            raise UserError(f"--best-metric {args.best_metric}: not defined with --multi-label; use map (the "
+                            f"default), micro_f1, macro_f1, accuracy (exact match) or loss")
+        if args.demo or args.download:
+            raise UserError(f"--multi-label with --{'demo' if args.demo else 'download'}: those make class folders, "
+                            "one class an image; give --train-list with the header path,labels")
+        return
+    if args.best_metric in MULTI_LABEL_METRICS:
+        raise UserError(f"--best-metric {args.best_metric}: for --multi-label runs; add --multi-label or use "
+                        "accuracy, balanced_accuracy, macro_f1 or loss")
+    if args.tune_thresholds:
+        raise UserError("--tune-thresholds is for --multi-label runs (one threshold per class); add --multi-label "
+                        "or drop it")
 
 
 def check_data_flags(args, given=()):

@@ -19,7 +19,8 @@ from multi_train_utils.run_files import read_metrics
 
 
 PLOT_FILES = {"class_distribution": "class_distribution.png", "batch_preview": "batch_preview.png",
-              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png", "most_confused": "most_confused.png"}
+              "curves": "curves.png", "confusion_matrix": "confusion_matrix.png", "most_confused": "most_confused.png",
+              "per_class_ap": "per_class_ap.png", "pr_curves": "pr_curves.png"}
 MAX_INCHES = 20  # figures grow with the number of classes up to this size
 MAX_LABELLED_CLASSES = 50  # beyond this, class names are left off the axes
 MAX_BARS = 30  # beyond this many classes, the class distribution is a sorted curve, and no count is written in a cell
@@ -104,6 +105,78 @@ def _plot_sorted_counts(classes, train, val):
     return fig
 
 
+def plot_label_distribution(classes, train, val, labels_per_image):
+    """Multi-label data: images per class (``train``, ``val``: images carrying each class) and,
+    beside it, how many images carry 0, 1, 2, ... labels (``labels_per_image``: training)."""
+    classes = drawable(classes)
+    fig = _figure(max(10, 0.8 * len(classes) + 4), 4)
+    counts_ax, labels_ax = fig.subplots(1, 2, width_ratios=[3, 1])
+    order = sorted(range(len(classes)), key=lambda c: (-train[c], c))
+    x = range(len(classes))
+    for offset, counts, name in ((-0.2, train, "train"), (0.2, val, "val")):
+        counts_ax.bar([i + offset for i in x], [counts[c] for c in order], width=0.4, label=name)
+    _class_ticks(counts_ax.xaxis, [classes[c] for c in order], rotate=True)
+    counts_ax.set_ylabel("images with the class")
+    counts_ax.set_title("images per class, sorted")
+    counts_ax.legend()
+    histogram = torch.bincount(torch.as_tensor(labels_per_image, dtype=torch.int64)).tolist()
+    labels_ax.bar(range(len(histogram)), histogram)
+    labels_ax.set_xlabel("labels of an image")
+    labels_ax.set_ylabel("training images")
+    labels_ax.set_title(f"labels per image (mean {sum(i * n for i, n in enumerate(histogram)) / max(1, sum(histogram)):.2f})")
+    return fig
+
+
+def plot_per_class_ap(classes, ap, title="average precision per class"):
+    """Horizontal bars of each class's AP (classes without positives left out), the lowest at
+    the top; beyond MAX_LABELLED_CLASSES a sorted curve."""
+    measured = sorted((value, name) for name, value in zip(drawable(classes), ap) if value == value)
+    fig = _figure(8, max(3, 0.25 * min(len(measured), MAX_LABELLED_CLASSES) + 1.5))
+    ax = fig.subplots()
+    if len(measured) > MAX_LABELLED_CLASSES:
+        ax.plot(range(1, len(measured) + 1), [value for value, _ in measured])
+        ax.set_xlabel(f"class, from the lowest AP to the highest ({len(measured)} classes)")
+        ax.set_ylabel("AP")
+    else:
+        ax.barh(range(len(measured)), [value for value, _ in measured])
+        ax.set_yticks(range(len(measured)), [name for _, name in measured], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("AP")
+        ax.set_xlim(0, 1)
+    mean = sum(value for value, _ in measured) / max(1, len(measured))
+    ax.set_title(printable(f"{title} (mAP {mean:.4f})"))
+    return fig
+
+
+def plot_pr_curves(curves, classes, ap, title="precision-recall, the classes of lowest AP"):
+    """Precision against recall of the classes in ``curves`` ({class index: {"precision",
+    "recall"}}), each labelled with its AP."""
+    names = drawable(classes)
+    fig = _figure(6, 5)
+    ax = fig.subplots()
+    for key, curve in curves.items():
+        c = int(key)
+        ax.step(curve["recall"], curve["precision"], where="post", label=f"{names[c]} (AP {ap[c]:.3f})")
+    ax.set_xlabel("recall")
+    ax.set_ylabel("precision")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    ax.set_title(printable(title))
+    return fig
+
+
+def label_title(label, classes, longest=24):
+    """A batch preview title: the class of a label, or the classes of a multi-hot row (or none)."""
+    if torch.is_tensor(label) and label.ndim == 1:
+        names = [classes[c] for c in torch.nonzero(label > 0.5).flatten().tolist()]
+        text = " ".join(names) or "(none)"
+        return text if len(text) <= longest else text[:longest - 3] + "..."
+    return classes[int(label)]
+
+
 def displayable(image):
     """A CHW image as matplotlib draws it: the first three channels as RGB (4-band data: its
     fourth not shown), or the first as gray (1 or 2 channels), in [0, 1]; uint8 over 255, and
@@ -129,23 +202,26 @@ def plot_batch_preview(images, labels, classes):
         ax.axis("off")
     for ax, image, label in zip(axes.flat, images, labels):
         ax.imshow(displayable(image), cmap="gray", vmin=0, vmax=1)  # the colour map for gray images only
-        ax.set_title(classes[int(label)], fontsize=8)
+        ax.set_title(label_title(label, classes), fontsize=8)
     fig.suptitle("a training batch after augmentation")
     return fig
 
 
 def plot_training_curves(rows):
-    """Loss, validation accuracy (and the EMA's, where metrics.csv has it) and learning rate
-    per epoch, from metrics.csv's rows."""
+    """Loss, validation accuracy (a multi-label run's: mAP; and the EMA's, where metrics.csv
+    has it) and learning rate per epoch, from metrics.csv's rows."""
     from matplotlib.ticker import MaxNLocator
 
     epochs = [int(r["epoch"]) for r in rows]
+    multi_label = bool(rows) and all(r.get("val_map") for r in rows)
+    metric, ema_metric = ("val_map", "ema_val_map") if multi_label else ("val_accuracy", "ema_val_accuracy")
     fig = _figure(12, 3.4)
-    for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", "val_accuracy", "lr"),
-                              ("training loss", "validation accuracy", "learning rate")):
+    for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", metric, "lr"),
+                              ("training loss", "validation mAP" if multi_label else "validation accuracy",
+                               "learning rate")):
         ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
-        if key == "val_accuracy" and rows and all(r.get("ema_val_accuracy") for r in rows):
-            ax.plot(epochs, [float(r["ema_val_accuracy"]) for r in rows], marker="o", markersize=3)
+        if key == metric and rows and all(r.get(ema_metric) for r in rows):
+            ax.plot(epochs, [float(r[ema_metric]) for r in rows], marker="o", markersize=3)
             ax.legend(["model", "EMA"])
         ax.set_title(title)
         ax.set_xlabel("epoch")

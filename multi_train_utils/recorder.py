@@ -6,14 +6,18 @@ import time
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
 from multi_train_utils.errors import MidRunError, one_line, resource_error
+from multi_train_utils.balance import training_labels
 from multi_train_utils.files import cpu_tensors, link_atomic, save_atomic
-from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_training_curves,
-                                        save_confusion_matrix, save_figure)
+from multi_train_utils.multi_label import is_multi_hot, labels_per_image
+from multi_train_utils.multi_label_report import save_multi_label_report
+from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_label_distribution,
+                                        plot_training_curves, save_confusion_matrix, save_figure)
 from multi_train_utils.inputs import file_list_fingerprint
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
-from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, args_to_dict, clear_earlier_run, images_of,
-                                         model_epoch_files, write_metrics, write_run_settings)
+from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, MULTI_LABEL_COLUMNS, args_to_dict,
+                                         clear_earlier_run, images_of, model_epoch_files, write_metrics,
+                                         write_run_settings, write_thresholds)
 from multi_train_utils.summary import class_counts, print_end_summary
 from multi_train_utils.train_eval_utils import is_better
 
@@ -119,6 +123,10 @@ class RunRecorder:
                 save_atomic(ema_weights, best_file)
             else:
                 link_atomic(epoch_file, best_file)  # the same bytes: not written twice
+        report = self.state.best.report
+        if report is not None:  # multi-label: the thresholds of model-best.pth
+            write_thresholds(self.output_dir, self.classes, report["thresholds"], self.args.tune_thresholds,
+                             self.state.best.epoch)
         write_metrics(self.output_dir, self.rows)
         self._prune(epoch)
 
@@ -157,7 +165,8 @@ class RunRecorder:
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
                           f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}", f"{seconds:.3f}",
-                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source])
+                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source,
+                          *multi_label_cells(eval_result, ema_result)])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, build_checkpoint(
             state, weights, ema_state, metrics=self.rows, args=args_to_dict(self.args), classes=self.classes,
@@ -176,6 +185,9 @@ class RunRecorder:
         if is_better(metric, result.metric(metric), best.value):
             best.value, best.accuracy, best.epoch = result.metric(metric), result.accuracy, epoch
             best.source, best.confusion = source, result.confusion
+            if self.args.multi_label:  # the best epoch's per-class figures, at the thresholds the run keeps
+                tuned = result.with_thresholds(result.tuned_thresholds()) if self.args.tune_thresholds else result
+                best.report = tuned.report()
         return source
 
     def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
@@ -186,8 +198,9 @@ class RunRecorder:
         for prefix, result in (("", eval_result), ("ema/", ema_result)):
             if result is None:
                 continue
-            for name in ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy"):
-                if getattr(result, name) is not None:
+            for name in ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy", "map", "micro_f1",
+                         "micro_precision", "micro_recall"):
+                if getattr(result, name, None) is not None:
                     self.writer.add_scalar(prefix + name, getattr(result, name), epoch)
             self.writer.add_scalar(prefix + "val_loss", result.loss, epoch)
         self.writer.flush()
@@ -208,8 +221,10 @@ class RunRecorder:
             return
         train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
         if train is not None and val is not None:
-            save_figure(plot_class_distribution(data.classes, train, val), self._plot_path("class_distribution"),
-                        self.writer, "data/class_distribution")
+            labels = training_labels(data.train)
+            figure = (plot_label_distribution(data.classes, train, val, labels_per_image(labels))
+                      if is_multi_hot(labels) else plot_class_distribution(data.classes, train, val))
+            save_figure(figure, self._plot_path("class_distribution"), self.writer, "data/class_distribution")
             self.drawn.append("class_distribution")
         step = max(1, len(train_set) // count)
         samples = [train_set[(0, i)] for i in range(0, len(train_set), step)][:count]
@@ -227,15 +242,25 @@ class RunRecorder:
         if not self.enabled:
             return
         plots = self._plot_results() if self.args.plots else []
-        print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots)
+        if self.state.best.report is not None:  # multi-label: the best epoch's per-class table (and pictures)
+            plots += save_multi_label_report(self.state.best.report, self.classes, self.output_dir,
+                                             f"best epoch {self.state.best.epoch}", writer=self.writer,
+                                             step=self._last_epoch(), pictures=self.args.plots)
+        print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots,
+                          classes=self.classes)
         self.close()
 
+    def _last_epoch(self):
+        return int(self.rows[-1][0]) if self.rows else 0
+
     def _plot_results(self):
-        last = int(self.rows[-1][0]) if self.rows else 0
+        last = self._last_epoch()
         rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
         save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
         plots = self.drawn + ["curves"]
         best = self.state.best
+        if self.args.multi_label:
+            return plots  # no confusion matrix: finish draws the per-class AP and precision-recall curves
         if best.confusion is not None:
             plots += save_confusion_matrix(best.confusion, self.classes, self.output_dir,
                                            f"best epoch {best.epoch}, validation", writer=self.writer, step=last)
@@ -257,16 +282,34 @@ def metric_cells(result, top5=False):
     accuracy); all empty for no evaluation (no --model-ema)."""
     if result is None:
         return [""] * 4
-    cells = [f"{result.loss:.6f}", f"{result.balanced_accuracy:.6f}", f"{result.macro_f1:.6f}"]
+    balanced = "" if result.balanced_accuracy is None else f"{result.balanced_accuracy:.6f}"  # None: multi-label
+    cells = [f"{result.loss:.6f}", balanced, f"{result.macro_f1:.6f}"]
     if top5:
         return cells + ["" if result.top5_accuracy is None else f"{result.top5_accuracy:.6f}"]
     return [f"{result.accuracy:.6f}"] + cells
 
 
+def multi_label_cells(result, ema_result=None):
+    """metrics.csv's multi-label cells (MULTI_LABEL_COLUMNS): mAP, micro F1, precision and
+    recall, the EMA's mAP; empty for a single-label run."""
+    if getattr(result, "map", None) is None:
+        return [""] * len(MULTI_LABEL_COLUMNS)
+    cells = [f"{value:.6f}" for value in (result.map, result.micro_f1, result.micro_precision, result.micro_recall)]
+    return cells + [f"{ema_result.map:.6f}" if ema_result is not None else ""]
+
+
 def epoch_line(epoch, train_stats, eval_result, ema_result=None):
     """The line printed after each epoch: loss, validation accuracy with its counts (and the
-    images left out), top-5 (more than 5 classes), the EMA's accuracy, learning rate, speed."""
+    images left out), top-5 (more than 5 classes), the EMA's accuracy, learning rate, speed;
+    multi-label: mAP first, the accuracy is exact match."""
     ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
+    if getattr(eval_result, "map", None) is not None:
+        ema_text = f"  ema_val_map: {ema_result.map:.4f}" if ema_result is not None else ""
+        left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
+        return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_map: {eval_result.map:.4f}  "
+                f"exact_match: {eval_result.accuracy:.4f} ({eval_result.correct}/{eval_result.total}{left_out})  "
+                f"micro_f1: {eval_result.micro_f1:.4f}{ema_text}  lr: {train_stats.last_lr:.3g}  "
+                f"{train_stats.images_per_second:.1f} img/s")
     top5 = f"  val_top5: {eval_result.top5_accuracy:.4f}" if eval_result.top5_accuracy is not None else ""
     left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
     return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "

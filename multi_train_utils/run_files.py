@@ -12,7 +12,7 @@ from multi_train_utils.checkpoint import CHECKPOINT, PREVIOUS_CHECKPOINT, resume
 from multi_train_utils.datasets import images_info
 from multi_train_utils.errors import UserError
 from multi_train_utils.exported import is_program
-from multi_train_utils.files import (MAPPING_OR_NULL, NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL,
+from multi_train_utils.files import (FLAG, MAPPING_OR_NULL, NUMBER, TEXT, TEXT_OR_NULL, WHOLE_NUMBER, WHOLE_NUMBER_OR_NULL,
                                     check_fields, read_json, write_csv_atomic, write_json_atomic)
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, resize_size
 from multi_train_utils.model_setup import ModelSpec, check_input_size
@@ -21,23 +21,29 @@ from multi_train_utils.weights import load_exact_weights, load_state_dict_file
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
 METRICS_FILE = "metrics.csv"
+THRESHOLDS_FILE = "thresholds.json"  # multi-label: each class's threshold, for predict.py and the export
 # The tutorial's six columns first (scripts that read them keep working), then the others:
 # the EMA's columns are empty without --model-ema, val_top5_accuracy with 5 classes or fewer.
 METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds",
                   "val_loss", "val_balanced_accuracy", "val_macro_f1", "val_top5_accuracy",
-                  "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source"]
+                  "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source",
+                  "val_map", "val_micro_f1", "val_micro_precision", "val_micro_recall", "ema_val_map"]
+# The columns only a multi-label run fills (empty in single-label runs), after the others.
+MULTI_LABEL_COLUMNS = METRICS_HEADER[METRICS_HEADER.index("val_map"):]
 # Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
 BEST_WEIGHTS = "model-best.pth"
 RUN_FILES = (CHECKPOINT, PREVIOUS_CHECKPOINT, CHECKPOINT + ".damaged", BEST_WEIGHTS, METRICS_FILE, ARGS_FILE,
              CLASSES_FILE, "train.log", "confusion_matrix.csv", "class_distribution.png", "batch_preview.png",
-             "curves.png", "confusion_matrix.png", "most_confused.png")
+             "curves.png", "confusion_matrix.png", "most_confused.png", THRESHOLDS_FILE, "per_class_metrics.csv",
+             "per_class_ap.png", "pr_curves.png")
 # model-{epoch}.pth exactly as a run writes it: model-3.pth, never a user's model-03.pth.
 EPOCH_WEIGHTS = r"model-(0|[1-9][0-9]*)\.pth"
 # The flags that --eval-only, predict.py and export.py read back from args.json, and their kinds.
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
-                      "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL, "images": MAPPING_OR_NULL}
+                      "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL, "images": MAPPING_OR_NULL,
+                      "multi_label": FLAG}
 # What the run's images are (Datasets' channels, mean and std), in args.json under "images";
 # a run written before they were kept had RGB images normalised with ImageNet's.
 RGB_IMAGENET = {"channels": 3, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
@@ -152,6 +158,28 @@ def read_run_classes(run_dir):
     return read_class_indices(path) if os.path.isfile(path) else None
 
 
+def write_thresholds(output_dir, classes, thresholds, tuned, epoch):
+    """thresholds.json of a multi-label run: {"classes": {name: threshold}, "tuned": whether
+    --tune-thresholds chose them, "epoch": the best epoch's}, atomically."""
+    write_json_atomic({"classes": {name: float(t) for name, t in zip(classes, thresholds)}, "tuned": bool(tuned),
+                       "epoch": int(epoch)}, os.path.join(output_dir, THRESHOLDS_FILE))
+
+
+def read_thresholds(run_dir, classes):
+    """The thresholds in ``run_dir``'s thresholds.json, one per class of ``classes`` in their
+    order, or None if there is no such file; a UserError if its classes differ."""
+    path = os.path.join(run_dir, THRESHOLDS_FILE)
+    if not os.path.isfile(path):
+        return None
+    values = read_json(path)
+    named = values.get("classes") if isinstance(values, dict) else None
+    if not isinstance(named, dict) or sorted(named) != sorted(classes):
+        raise UserError(f"{path}: does not hold one threshold for each of the classes {list(classes)}; delete it "
+                        "(0.5 each) or train again")
+    check_fields(named, {name: NUMBER for name in classes}, path, "give numbers from 0 to 1, or delete it")
+    return [float(named[name]) for name in classes]
+
+
 # --- metrics.csv ----------------------------------------------------------------------------------
 
 def write_metrics(output_dir, rows):
@@ -199,8 +227,8 @@ def trained_model_files(args):
     run_dir = os.path.dirname(os.path.abspath(args.weights))
     files = [("the --weights file", args.weights)]
     if not is_program(args.weights):  # a .pt2 carries its run's settings inside
-        files += [(f"the run's {ARGS_FILE}", os.path.join(run_dir, ARGS_FILE)),
-                  (f"the run's {CLASSES_FILE}", os.path.join(run_dir, CLASSES_FILE))]
+        files += [(f"the run's {name}", os.path.join(run_dir, name)) for name in (ARGS_FILE, CLASSES_FILE,
+                                                                                  THRESHOLDS_FILE)]
     if args.class_indices:
         files.append(("the --class-indices file", args.class_indices))
     return files
@@ -225,7 +253,8 @@ def read_run_images(weights):
 
 
 class TrainedModel(NamedTuple):
-    """A run's trained model, in eval mode, and what it takes and tells."""
+    """A run's trained model, in eval mode, and what it takes and tells (multi-label: one
+    sigmoid per class, each with its threshold)."""
 
     model: Any
     name: str  # --model
@@ -234,6 +263,8 @@ class TrainedModel(NamedTuple):
     channels: int = 3
     mean: Optional[Sequence[float]] = IMAGENET_MEAN  # None: images used as they come
     std: Optional[Sequence[float]] = IMAGENET_STD
+    multi_label: bool = False
+    thresholds: Optional[List[float]] = None  # multi-label: one per class (None: 0.5 each)
 
 
 def load_trained_model(args, create_model):
@@ -246,5 +277,8 @@ def load_trained_model(args, create_model):
     check_input_size(spec)
     model = spec.build()
     load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
+    run_dir = os.path.dirname(os.path.abspath(args.weights))
+    multi_label = bool((read_run_args(run_dir) or {}).get("multi_label", False))
+    thresholds = read_thresholds(run_dir, classes) if multi_label else None
     return TrainedModel(model.eval(), name, img_size, classes, channels=images["channels"], mean=images["mean"],
-                        std=images["std"])
+                        std=images["std"], multi_label=multi_label, thresholds=thresholds)

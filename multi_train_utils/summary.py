@@ -7,18 +7,21 @@ import torch.distributed as dist
 from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
 from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.example_data import DEMO_MARKER
+from multi_train_utils.errors import printable
 from multi_train_utils.files import csv_text, folder_bytes, format_bytes, write_text_atomic
 from multi_train_utils.images import JPEG_DECODER
 from multi_train_utils.model_setup import count_parameters
+from multi_train_utils.multi_label import is_multi_hot, labels_per_image, positives_per_class
+from multi_train_utils.multi_label_report import (MAX_CLASSES_LISTED, WORST_SHOWN, overall_rows, print_class_lines,
+                                                  print_multi_label_evaluation, save_multi_label_report)
 from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 
 RULE = "-" * 78
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
 EVALUATION_FILES = ("overall_metrics.csv", "per_class_metrics.csv")
-# Beyond this many classes the summary and the evaluation report name only the extremes.
-MAX_CLASSES_LISTED = 20
-WORST_SHOWN = 10  # classes of lowest recall, and most-confused pairs, that a report lists
+# Beyond MAX_CLASSES_LISTED classes the summary and the evaluation report name only the extremes:
+# WORST_SHOWN classes of lowest recall (multi-label: AP), and most-confused pairs.
 
 
 def describe_device(device):
@@ -120,10 +123,11 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def print_end_summary(args, state, seconds, plots=()):
+def print_end_summary(args, state, seconds, plots=(), classes=()):
     """Best --best-metric and its epoch (``state.best``), whose weights model-best.pth holds
     (the model's or its EMA's), why the run stopped early if it did, the time taken (``seconds``),
-    and where the weights and ``plots`` are."""
+    and where the weights and ``plots`` are; a multi-label run's per-class figures of the best
+    epoch (of ``classes``) and its thresholds."""
     output_dir, epoch = args.output_dir, state.best.epoch
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
@@ -133,6 +137,12 @@ def print_end_summary(args, state, seconds, plots=()):
           f"{format_duration(seconds)}")
     source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"
     print(f"best weights: {best} ({source}, epoch {epoch})")
+    report = state.best.report
+    if report is not None:  # multi-label: the best epoch's classes, and its thresholds
+        print_class_lines(report, classes)
+        tuned = "tuned for each class's best F1 on validation (--tune-thresholds)" if args.tune_thresholds else \
+            "0.5 each (--tune-thresholds picks each class's)"
+        print(f"thresholds: {tuned}; in {os.path.join(output_dir, 'thresholds.json')}")
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
@@ -158,6 +168,11 @@ def print_data_summary(args, data):
     else:
         where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
+    labels = training_labels(data.train)
+    if labels is not None and is_multi_hot(labels):
+        per_image = labels_per_image(labels)
+        print(f"labels: {per_image.mean():.2f} per training image on average, at most {per_image.max()}; "
+              f"{plural(int((per_image == 0).sum()), 'training image')} with none (counts below: images with the class)")
     if train is not None and val is not None and len(data.classes) > MAX_CLASSES_LISTED:
         counts, balance = describe_many_classes(data.classes, [t + v for t, v in zip(train, val)])
         print(f"data: {where}: {counts}\n{balance}")
@@ -191,9 +206,12 @@ def describe_many_classes(classes, counts, shown=3):
 
 
 def class_counts(dataset, classes):
-    """Images per class from ``dataset.targets``, or None if the dataset has none."""
+    """Images per class from ``dataset.targets`` (multi-label: the images that carry each
+    class), or None if the dataset has none."""
     labels = training_labels(dataset)
-    return None if labels is None else label_counts(labels, len(classes))
+    if labels is None:
+        return None
+    return positives_per_class(labels) if is_multi_hot(labels) else label_counts(labels, len(classes))
 
 
 def print_evaluation(result, classes):
@@ -270,6 +288,12 @@ def report_evaluation(result, data, args):
     if not is_main_process():
         return
     print_data_summary(args, data)
+    if args.multi_label:
+        print_multi_label_evaluation(result, data.classes)
+        if args.eval_output:
+            save_multi_label_report(result.report(), data.classes, args.eval_output, printable(args.weights))
+            write_text_atomic(csv_text(overall_rows(result)), os.path.join(args.eval_output, EVALUATION_FILES[0]))
+        return
     print_evaluation(result, data.classes)
     if args.eval_output:
         save_confusion_matrix(result.confusion, data.classes, args.eval_output, args.weights)

@@ -1,6 +1,7 @@
 """The training and evaluation loops: train_one_epoch, evaluate, and what they return."""
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -12,11 +13,13 @@ from torch import nn
 from tqdm import tqdm
 
 from multi_train_utils.model_setup import set_train_mode
-from multi_train_utils.distributed_utils import all_reduce_sum, broadcast_buffers, reduce_value
+from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum, broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
 from multi_train_utils.datasets import images_info
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer
+from multi_train_utils.multi_label_metrics import MultiLabelResult
 from multi_train_utils.performance import Precision
+from multi_train_utils.run_files import read_thresholds
 from multi_train_utils.process import get_world_size, is_main_process
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
@@ -49,13 +52,21 @@ class LoopSettings:
     print_freq: int = 20  # steps between loss updates of the progress bar (each is a host sync)
     mean: Optional[Sequence[float]] = IMAGENET_MEAN  # the data's, per channel (None: images used as they come)
     std: Optional[Sequence[float]] = IMAGENET_STD
+    multi_label: bool = False  # targets are multi-hot rows; evaluation ranks every score (--multi-label)
+    thresholds: Optional[Sequence[float]] = None  # multi-label: one per class (None: 0.5 each)
 
     @classmethod
     def from_args(cls, args, precision, channels_last, data=None):
         """The flags' settings, with the precision and memory format chosen for the device and
-        the normalisation of ``data`` (a Datasets; default ImageNet's)."""
+        the normalisation of ``data`` (a Datasets; default ImageNet's). --multi-label evaluates
+        at 0.5 a class while training, and --eval-only at the thresholds of the run that wrote
+        --weights (its thresholds.json), as predict.py does."""
         _, mean, std = images_info(data) if data is not None else (3, IMAGENET_MEAN, IMAGENET_STD)
-        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq, mean=mean, std=std)
+        thresholds = None
+        if args.multi_label and args.eval_only and data is not None:
+            thresholds = read_thresholds(os.path.dirname(os.path.abspath(args.weights)), data.classes)
+        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq, mean=mean, std=std,
+                   multi_label=args.multi_label, thresholds=thresholds)
 
     def normalizer(self, device):
         """What moves a batch to ``device`` as normalised floats, in this memory format."""
@@ -285,12 +296,17 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     shorter rank would never join. The counts stay on the device until the end (no host sync
     per batch), and a short last batch is padded to the batch size (``pad_batch``). An image
     labelled LEFT_OUT (-1: the dataset could not read it) is not counted but in ``left_out``.
+
+    Multi-label (``settings.multi_label``): returns a MultiLabelResult of every image's scores,
+    gathered from all ranks (see ``evaluate_multi_label``).
     """
     settings = settings or LoopSettings()
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     broadcast_buffers(model)
     model.eval()
+    if settings.multi_label:
+        return evaluate_multi_label(model, data_loader, device, num_classes, settings)
     to_device = settings.normalizer(device)
     # One counter tensor, so one all-reduce: the confusion matrix, the top-5 hits, the images left out.
     cells = num_classes * num_classes
@@ -328,6 +344,45 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     return result
 
 
+@torch.no_grad()
+def evaluate_multi_label(model, data_loader, device, num_classes, settings):
+    """The multi-label pass of ``evaluate`` (the model in eval mode, rank 0's buffers): each
+    rank scores its shard (sigmoid probabilities), then every rank gathers every image's
+    scores and targets, each image once, and computes the same MultiLabelResult. Rows stay on
+    the device until the end; padded rows and images left out (targets -1) are dropped then."""
+    to_device = settings.normalizer(device)
+    empty = torch.zeros(0, num_classes, device=device)
+    scores, targets, kept = [empty], [empty], []
+    left_out = torch.zeros(1, dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
+    batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
+    for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
+        images, labels = to_device(images, labels)
+        batch_size = batch_size or len(labels)
+        images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
+        keep = (weights > 0) & (labels[:, 0] >= 0)  # LEFT_OUT images have every target -1
+        left_out += ((weights > 0) & (labels[:, 0] < 0)).sum()
+        with settings.precision.autocast():
+            logits = model(images)
+        logits, labels = logits.float(), labels.float().clamp(min=0)
+        losses = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(dim=1)
+        loss_sum += (losses * keep).sum().to(loss_sum.dtype)
+        scores.append(torch.sigmoid(logits))
+        targets.append(labels)
+        kept.append(keep)
+    scores, targets = torch.cat(scores), torch.cat(targets)  # (a first empty block: a rank may have no images)
+    kept = torch.cat([torch.zeros(0, dtype=torch.bool, device=device), *kept])
+    rows = all_gather_rows(torch.cat([scores, targets], dim=1)[kept])  # every image once, from every rank
+    all_reduce_sum(loss_sum)
+    all_reduce_sum(left_out)
+    result = MultiLabelResult(rows[:, :num_classes], rows[:, num_classes:], settings.thresholds,
+                              float(loss_sum.cpu()), int(left_out.cpu()))
+    if result.left_out and not result.total:
+        raise MidRunError(f"none of the {result.left_out} validation images could be read: is the data still there "
+                          "(a folder moved, a network file system gone)?")
+    return result
+
+
 def pad_batch(images, labels, batch_size, channels_last=False):
     """A short last batch padded with copies of its first image up to ``batch_size``, and the
     weight of each row in the counts (0 for padding): a compiled model then sees one shape
@@ -340,4 +395,4 @@ def pad_batch(images, labels, batch_size, channels_last=False):
     images = torch.cat([images, images[:1].expand(batch_size - count, *images.shape[1:])])
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
-    return images, torch.cat([labels, labels[:1].expand(batch_size - count)]), weights
+    return images, torch.cat([labels, labels[:1].expand(batch_size - count, *labels.shape[1:])]), weights

@@ -512,7 +512,8 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         assert f.readline().strip() == ("epoch,train_loss,val_accuracy,lr,images_per_second,epoch_seconds,"
                                         "val_loss,val_balanced_accuracy,val_macro_f1,val_top5_accuracy,"
                                         "ema_val_accuracy,ema_val_loss,ema_val_balanced_accuracy,ema_val_macro_f1,"
-                                        "best_source")
+                                        "best_source,val_map,val_micro_f1,val_micro_precision,val_micro_recall,"
+                                        "ema_val_map")
     rows = read_metrics(output_dir)
     assert [int(r["epoch"]) for r in rows] == list(range(epochs))
     for r in rows:
@@ -520,6 +521,7 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         assert 0 <= float(r["val_accuracy"]) <= 1
         assert 0 < float(r["val_loss"]) < 10 and 0 <= float(r["val_macro_f1"]) <= 1
         assert r["val_top5_accuracy"] == r["ema_val_accuracy"] == "" and r["best_source"] == "model"
+        assert r["val_map"] == r["val_micro_f1"] == r["ema_val_map"] == ""  # multi-label runs' columns
         assert float(r["images_per_second"]) > 0 and float(r["epoch_seconds"]) > 0
     # the lr of each epoch's last step on the per-step cosine schedule (lr * lrf at the very end)
     steps = steps_per_epoch

@@ -225,13 +225,14 @@ def test_a_resume_with_another_number_of_processes_says_the_rate_is_scaled_anew(
 FLAG_GROUPS = [
     ("common", ["--data-path", "--demo", "--model", "--weights", "--epochs", "--batch-size", "--lr", "--device",
                 "--output-dir", "--resume", "--eval-only"]),
-    ("data", ["--val-path", "--train-list", "--val-list", "--val-rate", "--check-images", "--num-classes",
+    ("data", ["--val-path", "--train-list", "--val-list", "--multi-label", "--val-rate", "--check-images", "--num-classes",
               "--img-size", "--val-resize-size", "--workers", "--download", "--freeze-layers"]),
     ("recipe", ["--hflip", "--auto-augment", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--label-smoothing",
                 "--class-weights", "--sampler", "--opt", "--momentum", "--weight-decay", "--norm-bias-decay",
                 "--lr-scheduler", "--lrf", "--lr-step-size", "--lr-gamma", "--warmup-epochs", "--model-ema",
                 "--model-ema-decay", "--seed"]),
-    ("run", ["--overwrite", "--log-dir", "--plots", "--keep-last", "--best-metric", "--patience", "--eval-output"]),
+    ("run", ["--overwrite", "--log-dir", "--plots", "--keep-last", "--best-metric", "--tune-thresholds", "--patience",
+             "--eval-output"]),
     ("speed", ["--amp", "--channels-last", "--compile", "--accum-steps", "--clip-grad", "--grad-checkpoint",
                "--print-freq", "--threads"]),
 ]

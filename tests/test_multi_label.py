@@ -1,0 +1,556 @@
+"""Multi-label classification: an image carries several classes or none.
+
+The figures are checked against definitions computed here, another way (loops over small
+tables with ties, a class without positives, an image without labels); the runs against
+what predict.py gives image by image: the mAP of a run is the mAP of its predictions,
+scored here. One data set of coloured, striped PNGs (5 classes, one of them never in
+validation) goes through both scripts, a kill and --resume auto, --eval-only at world 1, 2
+and 3, predict.py on the .pth and the .pt2, and export.py."""
+import csv
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import (PYTHON, REPO, TORCHRUN, free_port, full_flags, kill_tree, read_metrics, run, script,
+                      subprocess_env)
+from multi_train_utils.multi_label import MultiLabelLoss, positive_weights
+from multi_train_utils.multi_label_metrics import MultiLabelResult, average_precision, best_f1_threshold
+
+CLASSES = ["blue", "green", "red", "stripes", "zebra"]  # zebra: training images only
+PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
+RUN_FLAGS = ["--multi-label", "--model", "resnet18", "--img-size", "48", "--batch-size", "4", "--no-plots",
+             "--keep-last", "0", "--workers", "1", "--epochs", "3"]
+RECIPE = ["--tune-thresholds", "--model-ema", "--mixup-alpha", "0.4", "--accum-steps", "2", "--class-weights",
+          "balanced", "--label-smoothing", "0.1", "--seed", "3"]
+
+
+# --- Definitions, computed here ---------------------------------------------------------------
+
+def ap_by_definition(scores, positives):
+    """scikit-learn's average precision, by its definition: for each distinct score t from
+    the highest, precision and recall of "score >= t"; AP = sum of (R_t - R_before) * P_t."""
+    total = sum(positives)
+    if total == 0:
+        return math.nan
+    ap, recall_before = 0.0, 0.0
+    for t in sorted(set(scores), reverse=True):
+        chosen = [p for s, p in zip(scores, positives) if s >= t]
+        precision, recall = sum(chosen) / len(chosen), sum(chosen) / total
+        ap += (recall - recall_before) * precision
+        recall_before = recall
+    return ap
+
+
+def f1_by_definition(scores, positives, t):
+    tp = sum(1 for s, p in zip(scores, positives) if s >= t and p)
+    fp = sum(1 for s, p in zip(scores, positives) if s >= t and not p)
+    fn = sum(1 for s, p in zip(scores, positives) if s < t and p)
+    return (2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else math.nan), (tp, fp, fn)
+
+
+def score_table(seed, images=13, classes=4):
+    """Scores rounded to one decimal (many ties), random targets; class 2 has no positive,
+    image 0 no label."""
+    rng = random.Random(seed)
+    scores = [[round(rng.random(), 1) for _ in range(classes)] for _ in range(images)]
+    targets = [[int(rng.random() < 0.4) if c != 2 else 0 for c in range(classes)] for _ in range(images)]
+    targets[0] = [0] * classes
+    targets[1][0] = targets[2][1] = targets[3][3] = 1  # every other class has a positive
+    return scores, targets
+
+
+def column(table, c):
+    return [row[c] for row in table]
+
+
+def test_average_precision_of_a_table_worked_by_hand():
+    # 0.9 (pos) then a tie at 0.8 (one pos, one neg): (0.5 - 0) * 1 + (1 - 0.5) * 2/3
+    assert average_precision(torch.tensor([0.9, 0.8, 0.8, 0.1]), torch.tensor([1, 0, 1, 0]).bool()) == \
+        pytest.approx(0.5 + 0.5 * 2 / 3, abs=1e-12)
+    # every score equal: one threshold, AP = the share of positives
+    assert average_precision(torch.full((5,), 0.3), torch.tensor([1, 0, 0, 1, 0]).bool()) == pytest.approx(0.4)
+    assert math.isnan(average_precision(torch.tensor([0.2, 0.7]), torch.tensor([0, 0]).bool()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_map_and_per_class_ap_equal_the_definition_on_tables_with_ties(seed):
+    scores, targets = score_table(seed)
+    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    expected = [ap_by_definition(column(scores, c), column(targets, c)) for c in range(4)]
+    assert math.isnan(result.ap[2]) and math.isnan(expected[2])
+    for c in (0, 1, 3):
+        assert result.ap[c] == pytest.approx(expected[c], abs=1e-12)
+    kept = [e for e in expected if not math.isnan(e)]
+    assert result.map == pytest.approx(sum(kept) / len(kept), abs=1e-12)  # the class without positives left out
+    assert result.support == [sum(column(targets, c)) for c in range(4)]
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_f1_precision_recall_and_exact_match_at_the_thresholds_equal_the_counts(seed):
+    scores, targets = score_table(seed)
+    thresholds = [0.5, 0.3, 0.6, 0.7]
+    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets), thresholds)
+    counts = [f1_by_definition(column(scores, c), column(targets, c), t)[1] for c, t in enumerate(thresholds)]
+    for c, (tp, fp, fn) in enumerate(counts):
+        f1 = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else math.nan
+        for got, want in ((result.f1[c], f1), (result.precision[c], tp / (tp + fp) if tp + fp else math.nan),
+                          (result.recall[c], tp / (tp + fn) if tp + fn else math.nan)):
+            assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-12), c
+    tp, fp, fn = (sum(c[i] for c in counts) for i in range(3))
+    assert result.micro_f1 == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    assert result.micro_precision == pytest.approx(tp / (tp + fp))
+    assert result.micro_recall == pytest.approx(tp / (tp + fn))
+    f1s = [2 * a / (2 * a + b + d) for a, b, d in counts if 2 * a + b + d]
+    assert result.macro_f1 == pytest.approx(sum(f1s) / len(f1s))
+    exact = sum(all((s >= t) == bool(y) for s, t, y in zip(srow, thresholds, trow))
+                for srow, trow in zip(scores, targets))
+    assert (result.correct, result.total) == (exact, len(scores))
+    assert result.accuracy == pytest.approx(exact / len(scores))
+
+
+@pytest.mark.parametrize("seed", [0, 2, 9])
+def test_the_tuned_threshold_is_the_cut_of_the_best_f1_the_highest_of_equals(seed):
+    scores, targets = score_table(seed, images=17)
+    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    tuned = result.tuned_thresholds()
+    for c in range(4):
+        column_scores, positives = column(scores, c), column(targets, c)
+        if not any(positives):
+            assert tuned[c] == 0.5  # nothing to tune: the default stays
+            continue
+        best = max(sorted(set(column_scores), reverse=True), key=lambda t: f1_by_definition(column_scores, positives, t)[0])
+        assert tuned[c] == pytest.approx(best, abs=1e-7), c  # max(): the first (highest) of equal F1s
+    # F1 2/3 at 0.9 (1 TP, 1 FN) and at 0.4 (2 TP, 2 FP): the higher threshold
+    assert best_f1_threshold(torch.tensor([0.9, 0.6, 0.5, 0.4]), torch.tensor([1, 0, 0, 1]).bool()) == \
+        pytest.approx(0.9)
+
+
+def test_the_loss_is_bce_with_positive_weights_and_targets_smoothed_toward_a_half():
+    logits = torch.tensor([[2.0, -1.0, 0.5], [-0.3, 0.8, -2.0]])
+    targets = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    weights = torch.tensor([3.0, 0.5, 1.0])
+    eps = 0.2
+    expected = 0.0
+    for i in range(2):
+        for c in range(3):
+            y = targets[i, c].item() * (1 - eps) + eps / 2
+            p = 1 / (1 + math.exp(-logits[i, c].item()))
+            expected -= weights[c].item() * y * math.log(p) + (1 - y) * math.log(1 - p)
+    loss = MultiLabelLoss(pos_weight=weights, label_smoothing=eps)(logits, targets)
+    assert float(loss) == pytest.approx(expected / 6, rel=1e-6)
+    from model import create_loss
+    made = create_loss(full_flags(multi_label=True, label_smoothing=eps), weights)
+    assert float(made(logits, targets)) == pytest.approx(expected / 6, rel=1e-6)
+
+
+def test_positive_weights_are_negatives_over_positives_capped_at_100():
+    # 202 images: class 0 in 2 (200 / 2 = 100), class 1 in 1 (201, capped), class 2 in 101
+    # (101 / 101 = 1), class 3 in every image and class 4 in none (1: nothing to balance)
+    targets = torch.zeros(202, 5, dtype=torch.uint8)
+    targets[:2, 0] = 1
+    targets[5, 1] = 1
+    targets[:101, 2] = 1
+    targets[:, 3] = 1
+    assert positive_weights(targets.numpy()).tolist() == pytest.approx([100.0, 100.0, 1.0, 1.0, 1.0])
+    targets[:4, 0] = 1  # 198 / 4
+    assert positive_weights(targets.numpy())[0].item() == pytest.approx(198 / 4)
+
+
+def test_mixup_mixes_the_multi_hot_targets_as_it_mixes_the_images():
+    from multi_train_utils.mixing import make_batch_mixer
+
+    mixer = make_batch_mixer(full_flags(multi_label=True, mixup_alpha=0.4, seed=11), num_classes=3, rank=1)
+    images = torch.rand(6, 3, 4, 4)
+    targets = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1], [0, 0, 1], [1, 0, 0]], dtype=torch.float32)
+    for step in range(3):
+        mixed, soft = mixer(images, targets, epoch=2, step=step)
+        # MixUp: mixed = lam * x + (1 - lam) * x rolled by one image; lam read off the pixels
+        lam = float(((mixed - images.roll(1, 0)) / (images - images.roll(1, 0)))[0, 0, 0, 0])
+        torch.testing.assert_close(mixed, lam * images + (1 - lam) * images.roll(1, 0), rtol=0, atol=1e-5)
+        torch.testing.assert_close(soft, lam * targets + (1 - lam) * targets.roll(1, 0), rtol=0, atol=1e-5)
+
+
+# --- The data ---------------------------------------------------------------------------------
+
+def colour_image(labels, rng):
+    """A 40-pixel square: red, green and blue bright where the image has the class, white
+    stripes for "stripes"; a little noise."""
+    base = [200 if name in labels else 40 for name in ("red", "green", "blue")]
+    image = Image.new("RGB", (40, 40), tuple(min(255, v + rng.randrange(30)) for v in base))
+    if "stripes" in labels:
+        for x in range(0, 40, 5):
+            for y in range(40):
+                image.putpixel((x, y), (255, 255, 255))
+    return image
+
+
+def write_lists(root, seed=0, train=24, val=11):
+    """Images and the two CSVs (header path,labels) in ``root``: the first training image and
+    the first validation image carry no class; zebra is on 6 training images and no validation one."""
+    rng = random.Random(seed)
+    rows = {}
+    os.makedirs(os.path.join(root, "img"), exist_ok=True)
+    for split, count in (("train", train), ("val", val)):
+        rows[split] = []
+        for i in range(count):
+            labels = [] if i == 0 else [c for c in CLASSES[:4] if rng.random() < 0.45]
+            if split == "train" and i == 1:
+                labels = ["red", "stripes"]  # line 3: the first row of several labels
+            if split == "train" and 0 < i <= 6:
+                labels.append("zebra")
+            name = f"img/{split} {i}.png"  # a space in the name
+            colour_image(labels, rng).save(os.path.join(root, name))
+            rows[split].append((name, labels))
+        with open(os.path.join(root, f"{split}.csv"), "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "labels"])
+            writer.writerows([(name, " ".join(labels)) for name, labels in rows[split]])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def lists(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi-label-data")
+    rows = write_lists(str(root))
+    return {"root": str(root), "train": str(root / "train.csv"), "val": str(root / "val.csv"), "rows": rows}
+
+
+def test_the_lists_read_as_multi_hot_rows_with_the_sorted_union_of_classes(lists):
+    from utils import read_label_files
+    from multi_train_utils.file_list import compact_split
+
+    split = compact_split(read_label_files(lists["train"], lists["val"], multi_label=True))
+    assert split.classes == CLASSES
+    assert split.train_images_label.shape == (24, 5) and split.val_images_label.shape == (11, 5)
+    for labels_array, rows in ((split.train_images_label, lists["rows"]["train"]),
+                               (split.val_images_label, lists["rows"]["val"])):
+        expected = [[int(name in labels) for name in CLASSES] for _, labels in rows]
+        assert labels_array.tolist() == expected
+    assert split.train_images_label[0].sum() == 0  # the empty cell: no class
+    assert any("'zebra' gets no validation image" in note and "AP" in note for note in split.notes)
+    # without --val-list: round(24 x 0.25) = 6 images to validation, the same for the same seed
+    a, b, c = (read_label_files(lists["train"], None, 0.25, seed, multi_label=True) for seed in (4, 4, 5))
+    assert len(a.val_images_path) == 6 and len(a.train_images_path) == 18
+    assert a.val_images_path == b.val_images_path != c.val_images_path
+    assert sorted(a.val_images_path + a.train_images_path) == sorted(
+        os.path.join(lists["root"], name) for name, _ in lists["rows"]["train"])
+
+
+# --- Bad input: one line, exit 2, nothing written ----------------------------------------------
+
+def bad_list(root, name, text):
+    path = os.path.join(root, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+BAD_CASES = {
+    "an unknown label in validation": (lambda d: ["--val-list", bad_list(d["root"], "v1.csv", "path,labels\nimg/val 1.png,red purple\n")],
+                                       ["--val-list", "v1.csv, line 2", "'purple' is not one of the training classes"]),
+    "a label twice in a row": (lambda d: ["--val-list", bad_list(d["root"], "v2.csv", "path,labels\nimg/val 1.png,red blue red\n")],
+                               ["v2.csv, line 2", "'red' is there twice"]),
+    "an empty file": (lambda d: ["--val-list", bad_list(d["root"], "v3.csv", "")],
+                      ["--val-list", "v3.csv", "the first line must be the header path,labels"]),
+    "no rows": (lambda d: ["--val-list", bad_list(d["root"], "v4.csv", "path,labels\n")], ["v4.csv", "lists no images"]),
+    "several labels without --multi-label": (lambda d: ["--no-multi-label-marker", "--train-list", bad_list(
+        d["root"], "t1.csv", "path,labels\nimg/train 1.png,red\nimg/train 2.png,red blue\n")],
+        ["--train-list", "t1.csv, line 3: 2 labels ('red blue')", "needs --multi-label"]),
+    "the balanced sampler": (lambda d: ["--val-list", d["val"], "--sampler", "balanced"],
+                             ["--sampler balanced with --multi-label", "--class-weights balanced"]),
+    "balanced accuracy": (lambda d: ["--val-list", d["val"], "--best-metric", "balanced_accuracy"],
+                          ["--best-metric balanced_accuracy", "not defined with --multi-label"]),
+}
+
+
+def bad_command(case, lists, out):
+    flags, expected = BAD_CASES[case][0](lists), BAD_CASES[case][1]
+    multi = ["--multi-label"]
+    if "--no-multi-label-marker" in flags:
+        flags.remove("--no-multi-label-marker")
+        multi = []
+    return [PYTHON, script("train_single.py"), *multi, "--train-list", lists["train"], *flags, "--model", "resnet18",
+            "--output-dir", str(out)], expected
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_multi_label_input_is_one_line_and_nothing_is_written(case, lists, tmp_path):
+    cmd, expected = bad_command(case, lists, tmp_path / "out")
+    result = run(cmd)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for text in expected:
+        assert text in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_class_folders_with_multi_label_and_single_label_metrics_are_refused(tmp_path):
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.datasets import Datasets, MyDataSet
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    folders = Datasets(MyDataSet(["a.png"], [0]), MyDataSet(["b.png"], [1]), ["x", "y"])
+    with pytest.raises(UserError, match="--multi-label: my_dataset.build_datasets: the training dataset has one "
+                                        "class an image"):
+        check_datasets(folders, multi_label=True)
+    rows = Datasets(MyDataSet(["a.png"], torch.ones(1, 2, dtype=torch.uint8).numpy()),
+                    MyDataSet(["b.png"], torch.ones(1, 2, dtype=torch.uint8).numpy()), ["x", "y"])
+    with pytest.raises(UserError, match="multi-hot labels .*: add --multi-label"):
+        check_datasets(rows, multi_label=False)
+    check_datasets(rows, multi_label=True)
+    for flags, message in ((["--best-metric", "map"], "--best-metric map: for --multi-label runs"),
+                           (["--tune-thresholds"], "--tune-thresholds is for --multi-label runs"),
+                           (["--multi-label", "--demo"], "--multi-label with --demo")):
+        with pytest.raises(UserError, match=message):
+            parse_args(get_args_parser(distributed=False), flags)
+    assert parse_args(get_args_parser(distributed=False), ["--multi-label"]).best_metric == "map"
+    assert parse_args(get_args_parser(distributed=True), []).best_metric == "accuracy"
+
+
+def test_a_dataset_of_your_own_with_multi_hot_labels_is_checked_at_the_start():
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.datasets import Datasets
+
+    class Own(torch.utils.data.Dataset):
+        def __init__(self, label):
+            self.label = label
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.zeros(3, 8, 8, dtype=torch.uint8), self.label
+
+    good = Own(torch.tensor([1.0, 0.0, 1.0]))
+    check_datasets(Datasets(good, good, ["a", "b", "c"]), multi_label=True)
+    with pytest.raises(UserError, match=r"first label is a tensor of shape \(2,\); give a float tensor of 3 values"):
+        check_datasets(Datasets(Own(torch.tensor([1.0, 0.0])), good, ["a", "b", "c"]), multi_label=True)
+    with pytest.raises(UserError, match="first label is a int"):
+        check_datasets(Datasets(Own(1), good, ["a", "b", "c"]), multi_label=True)
+    with pytest.raises(UserError, match="values from 0 to 2"):
+        check_datasets(Datasets(Own(torch.tensor([2.0, 0.0, 1.0])), good, ["a", "b", "c"]), multi_label=True)
+    with pytest.raises(UserError, match="add --multi-label"):
+        check_datasets(Datasets(good, good, ["a", "b", "c"]), multi_label=False)
+
+
+# --- Runs ---------------------------------------------------------------------------------------
+
+def train_command(kind, lists, out, *extra, probe=False):
+    flags = [*RUN_FLAGS, *RECIPE, "--train-list", lists["train"], "--val-list", lists["val"], "--output-dir", str(out),
+             "--log-dir", str(out.parent / "runs"), *extra]
+    if kind == "single":
+        entry = [PROBE, "single"] if probe else [script("train_single.py")]
+        return [PYTHON, *entry, *flags]
+    entry = [PROBE, "multi"] if probe else [script("train_multi_gpu.py")]
+    return [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), *entry, *flags]
+
+
+@pytest.fixture(scope="module")
+def straight(lists, tmp_path_factory):
+    """Uninterrupted runs of 3 epochs, one per script, made when a test first asks."""
+    done = {}
+
+    def get(kind):
+        if kind not in done:
+            out = tmp_path_factory.mktemp(f"straight-{kind}") / "out"
+            result = run(train_command(kind, lists, out, *(["--plots"] if kind == "ddp" else [])))
+            assert result.returncode == 0, result.stdout + result.stderr
+            done[kind] = (out, result)
+        return done[kind]
+
+    return get
+
+
+def metric_rows(out):
+    timing = {"images_per_second", "epoch_seconds"}
+    return [{k: v for k, v in row.items() if k not in timing} for row in read_metrics(out)]
+
+
+def test_a_run_fills_the_multi_label_columns_and_keeps_the_best_epochs_thresholds(straight, lists):
+    out, result = straight("ddp")
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == ["0", "1", "2"]
+    for r in rows:
+        for key in ("val_map", "val_micro_f1", "val_micro_precision", "val_micro_recall", "ema_val_map", "val_loss",
+                    "val_macro_f1", "val_accuracy"):
+            assert 0 <= float(r[key]) <= (1 if key != "val_loss" else 10), (key, r)
+        assert r["val_balanced_accuracy"] == r["val_top5_accuracy"] == ""  # single-label figures
+    best = max(range(3), key=lambda e: (max(float(rows[e]["val_map"]), float(rows[e]["ema_val_map"])), -e))
+    thresholds = json.loads((out / "thresholds.json").read_text())
+    assert thresholds["epoch"] == best and thresholds["tuned"] is True
+    assert list(thresholds["classes"]) == CLASSES and thresholds["classes"]["zebra"] == 0.5
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["best_epoch"] == best
+    for name in ("per_class_metrics.csv", "per_class_ap.png", "pr_curves.png", "class_distribution.png",
+                 "batch_preview.png", "curves.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "confusion_matrix.png").exists()
+    assert f"best val map: {max(float(rows[best]['val_map']), float(rows[best]['ema_val_map'])):.4f} at epoch {best}" \
+        in result.stdout
+    assert "thresholds: tuned for each class's best F1" in result.stdout
+    assert [l.split()[0] for l in result.stdout.splitlines() if l.startswith("  ") and "threshold" in l] == CLASSES
+    assert "labels: " in result.stdout and "1 training image with none" in result.stdout
+
+
+def predicted_table(path):
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return rows[0], {os.path.basename(r[0]): r[1:] for r in rows[1:]}
+
+
+@pytest.fixture(scope="module")
+def served(straight, lists):
+    """--eval-only (train_single.py), predict.py on the .pth, export.py (.pt2 and ONNX) and
+    predict.py on the .pt2, in one Python process; then --eval-only at world 2 and 3."""
+    out, _ = straight("ddp")
+    driver = (
+        "import sys, export, predict, train_single\n"
+        "from multi_train_utils.errors import run_cli\n"
+        "out, images = sys.argv[1], sys.argv[2]\n"
+        "def go(main, argv):\n"
+        "    print('=== ' + main.__module__, flush=True)\n"
+        "    try: run_cli(main, argv)\n"
+        "    except SystemExit as e: print('exit', e.code, flush=True)\n"
+        "go(train_single.main, ['--eval-only', '--weights', out + '/model-best.pth', '--batch-size', '4', '--amp', 'off', '--eval-output', out + '/eval'])\n"
+        "go(train_single.main, ['--eval-only', '--weights', out + '/model-best.pth'])\n"
+        "go(predict.main, ['--weights', out + '/model-best.pth', '--image', images, '--output', out + '/pth.csv'])\n"
+        "go(predict.main, ['--weights', out + '/model-best.pth', '--image', images + '/val 2.png'])\n"
+        "go(export.main, ['--weights', out + '/model-best.pth'])\n"
+        "go(export.main, ['--weights', out + '/model-best.pth', '--format', 'onnx'])\n"
+        "go(predict.main, ['--weights', out + '/model-best.pt2', '--image', images, '--output', out + '/pt2.csv'])\n")
+    result = run([PYTHON, "-c", driver, str(out), os.path.join(lists["root"], "img")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    worlds = {1: result.stdout.split("=== predict")[0].split("=== train_single")[1]}
+    worlds["as trained"] = result.stdout.split("=== predict")[0].split("=== train_single")[2]  # the run's --amp
+    for world, batch in ((2, "3"), (3, "2")):
+        launched = run([*TORCHRUN, f"--nproc_per_node={world}", "--master_port", str(free_port()),
+                        script("train_multi_gpu.py"), "--eval-only", "--weights", str(out / "model-best.pth"),
+                        "--batch-size", batch, "--amp", "off"])  # float32, as predict.py
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+        worlds[world] = launched.stdout
+    return out, result, worlds
+
+
+def figures(stdout):
+    """mAP, micro-F1 and exact match of an --eval-only report's last two lines."""
+    lines = [l for l in stdout.splitlines() if l.startswith("mAP: ") or l.startswith("exact match accuracy: ")]
+    return lines[-2:]
+
+
+def test_evaluation_is_the_same_at_world_1_2_and_3_and_equals_the_predictions_scored_here(served, lists):
+    out, result, worlds = served
+    assert figures(worlds[1]) and figures(worlds[1]) == figures(worlds[2]) == figures(worlds[3])
+    header, predicted = predicted_table(out / "pth.csv")
+    assert header == ["path", "labels", *CLASSES]
+    val = lists["rows"]["val"]
+    scores = [[float(p) for p in predicted[os.path.basename(name)][1:]] for name, _ in val]
+    targets = [[int(c in labels) for c in CLASSES] for _, labels in val]
+    aps = [ap_by_definition(column(scores, c), column(targets, c)) for c in range(len(CLASSES))]
+    expected_map = sum(a for a in aps if not math.isnan(a)) / sum(1 for a in aps if not math.isnan(a))
+    reported = dict(line.split(": ", 1) for line in worlds[1].splitlines() if line.startswith("mAP: "))
+    assert float(reported["mAP"].split()[0]) == pytest.approx(expected_map, abs=2e-5)
+    # the tuned thresholds of the run, applied here to predict.py's probabilities
+    thresholds = list(json.loads((out / "thresholds.json").read_text())["classes"].values())
+    tp = fp = fn = exact = 0
+    for s_row, t_row in zip(scores, targets):
+        chosen = [s >= t for s, t in zip(s_row, thresholds)]
+        tp += sum(c and y for c, y in zip(chosen, t_row))
+        fp += sum(c and not y for c, y in zip(chosen, t_row))
+        fn += sum(y and not c for c, y in zip(chosen, t_row))
+        exact += chosen == [bool(y) for y in t_row]
+    assert f"exact match accuracy: {exact / len(val):.6f} ({exact}/{len(val)})" in worlds[1]
+    assert f"micro-F1: {2 * tp / (2 * tp + fp + fn):.6f}" in worlds[1]
+    # the best epoch's mAP in metrics.csv (training, world 2) is the mAP of model-best.pth, at the run's precision
+    best = json.loads((out / "thresholds.json").read_text())["epoch"]
+    row = read_metrics(out)[best]
+    ema = torch.load(out / "checkpoint.pth", weights_only=True)["best_source"] == "ema"
+    as_trained = dict(line.split(": ", 1) for line in worlds["as trained"].splitlines() if line.startswith("mAP: "))
+    assert float(row["ema_val_map" if ema else "val_map"]) == pytest.approx(float(as_trained["mAP"].split()[0]),
+                                                                               abs=2e-6)
+    # per_class_metrics.csv of --eval-output: AP per class, as scored here
+    with open(out / "eval" / "per_class_metrics.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [r["class"] for r in table] == CLASSES
+    for r, ap in zip(table, aps):
+        assert (math.isnan(ap) and r["ap"] == "nan") or float(r["ap"]) == pytest.approx(ap, abs=2e-5)
+    assert [int(r["support"]) for r in table] == [sum(column(targets, c)) for c in range(len(CLASSES))]
+
+
+def test_predict_writes_the_classes_above_their_thresholds_and_the_pt2_and_onnx_carry_them(served, lists):
+    out, result, _ = served
+    header, from_pth = predicted_table(out / "pth.csv")
+    header_pt2, from_pt2 = predicted_table(out / "pt2.csv")
+    assert header == header_pt2 and sorted(from_pth) == sorted(from_pt2)
+    thresholds = list(json.loads((out / "thresholds.json").read_text())["classes"].values())
+    for name, row in from_pth.items():
+        probabilities = [float(p) for p in row[1:]]
+        assert [float(p) for p in from_pt2[name][1:]] == pytest.approx(probabilities, abs=1e-5)
+        assert row[0] == " ".join(c for c, p, t in zip(CLASSES, probabilities, thresholds) if p >= t)
+        assert from_pt2[name][0] == row[0]
+    line = [l for l in result.stdout.splitlines() if l.startswith(os.path.join(lists["root"], "img", "val 2.png"))][0]
+    row = [float(p) for p in from_pth["val 2.png"][1:]]
+    expected = sorted(((p, c) for c, p, t in zip(CLASSES, row, thresholds) if p >= t), key=lambda x: -x[0])
+    assert line.split(": ", 1)[1] == (", ".join(f"{c} {p:.3f}" for p, c in expected)
+                                      or "none of the classes reaches its threshold")
+    program = torch.export.load(str(out / "model-best.pt2"), extra_files={"run.json": ""})
+    del program
+    extra = {"run.json": ""}
+    torch.export.load(str(out / "model-best.pt2"), extra_files=extra)
+    run_json = json.loads(extra["run.json"])
+    assert run_json["multi_label"] is True and run_json["classes"] == CLASSES
+    assert run_json["thresholds"] == pytest.approx(thresholds)
+    onnx = pytest.importorskip("onnx")
+    props = {p.key: p.value for p in onnx.load(str(out / "model-best.onnx")).metadata_props}
+    assert json.loads(props["run.json"])["thresholds"] == pytest.approx(thresholds)
+    assert json.loads(props["run.json"])["multi_label"] is True
+
+
+def wait_for_checkpoint(out, epoch, job, timeout=300):
+    deadline = time.monotonic() + timeout
+    while True:
+        assert job.poll() is None, job.communicate()
+        assert time.monotonic() < deadline, "no checkpoint"
+        try:
+            if torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= epoch:
+                return
+        except (OSError, RuntimeError, EOFError):
+            pass
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_path):
+    reference, _ = straight(kind)
+    out = tmp_path / "out"
+    job = subprocess.Popen(train_command(kind, lists, out, probe=True), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env=subprocess_env({"PROBE_STEP_SLEEP": "0.3"}))
+    try:
+        wait_for_checkpoint(out, 0, job)
+    finally:
+        kill_tree(job.pid)
+        job.communicate()
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)["epoch"]
+    assert saved < 2
+    resumed = run(train_command(kind, lists, out, "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"(epoch {saved} done): epochs {saved + 1} to 2" in resumed.stdout
+    assert metric_rows(out) == metric_rows(reference)
+    final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    assert json.loads((out / "thresholds.json").read_text()) == json.loads((reference / "thresholds.json").read_text())
+    # the best epoch's report came through the checkpoint: the same per-class table at the end
+    assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
