@@ -504,11 +504,17 @@ def test_predict_writes_the_classes_above_their_thresholds_and_the_pt2_and_onnx_
     expected = sorted(((p, c) for c, p, t in zip(CLASSES, row, thresholds) if p >= t), key=lambda x: -x[0])
     assert line.split(": ", 1)[1] == (", ".join(f"{c} {p:.3f}" for p, c in expected)
                                       or "none of the classes reaches its threshold")
-    program = torch.export.load(str(out / "model-best.pt2"), extra_files={"run.json": ""})
-    del program
     extra = {"run.json": ""}
-    torch.export.load(str(out / "model-best.pt2"), extra_files=extra)
+    program = torch.export.load(str(out / "model-best.pt2"), extra_files=extra).module()
     run_json = json.loads(extra["run.json"])
+    # each probability is the sigmoid of its class's logit (not a softmax over the classes)
+    from multi_train_utils.images import build_transforms, read_image_uint8
+    _, val_transform = build_transforms(run_json["img_size"], val_resize_size=run_json["val_resize_size"])
+    image = val_transform(read_image_uint8(os.path.join(lists["root"], "img", "val 2.png"))).float() / 255
+    mean, std = (torch.tensor(run_json[k]).view(3, 1, 1) for k in ("mean", "std"))
+    with torch.no_grad():
+        logits = program(((image - mean) / std)[None])[0]
+    assert torch.sigmoid(logits).tolist() == pytest.approx(row, abs=1e-5)
     assert run_json["multi_label"] is True and run_json["classes"] == CLASSES
     assert run_json["thresholds"] == pytest.approx(thresholds)
     onnx = pytest.importorskip("onnx")
@@ -566,3 +572,34 @@ def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(str
     assert len(lines) == 1 and lines[0].startswith("error: --train-list "), result.stderr
     assert "classes ['blue', 'green', 'red'] differ from the weights' class_indices.json" in lines[0]
     assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "eval").exists()
+
+
+def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_checkpoint(tmp_path):
+    """The best epoch's per-class report (thresholds among it) travels in the checkpoint: a run
+    resumed after its best epoch writes the same thresholds.json and table without
+    evaluating that epoch again."""
+    from multi_train_utils.checkpoint import TrainState, build_checkpoint, load_checkpoint, restore_training_state
+    from multi_train_utils.datasets import Datasets
+    from multi_train_utils.recorder import RunRecorder
+
+    model = torch.nn.Linear(3, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=2)
+    report = MultiLabelResult(torch.tensor([[0.9, 0.2], [0.3, 0.7], [0.6, 0.1]]),
+                              torch.tensor([[1, 0], [0, 1], [1, 0]])).report()
+    report["thresholds"] = [0.25, 0.75]
+    state.best.value, state.best.epoch, state.best.report = 0.9, 0, report
+    args = full_flags(multi_label=True, tune_thresholds=True, output_dir=str(tmp_path / "out"),
+                      log_dir=str(tmp_path / "runs"), epochs=4, resume="auto")
+    os.makedirs(args.output_dir)
+    torch.save(build_checkpoint(state, model.state_dict(), metrics=[], args=vars(args), classes=["a", "b"],
+                                file_list=None, world_size=1, log_dir=None), tmp_path / "out" / "checkpoint.pth")
+    checkpoint = load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"))
+    resumed = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    restore_training_state(resumed, checkpoint)
+    assert resumed.best.report["thresholds"] == [0.25, 0.75] and resumed.best.epoch == 0
+    empty = Datasets(torch.utils.data.TensorDataset(torch.zeros(1)), torch.utils.data.TensorDataset(torch.zeros(1)),
+                     ["a", "b"])
+    recorder = RunRecorder(args, empty, resumed, checkpoint=checkpoint, resume_path=str(tmp_path / "out" / "checkpoint.pth"))
+    recorder.close()
+    written = json.loads((tmp_path / "out" / "thresholds.json").read_text())
+    assert written == {"classes": {"a": 0.25, "b": 0.75}, "tuned": True, "epoch": 0}
