@@ -565,8 +565,9 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
 def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(straight, lists, tmp_path):
     out, _ = straight("ddp")
     other = bad_list(lists["root"], "other.csv", "path,labels\nimg/train 1.png,red\nimg/train 2.png,blue green\n")
+    other_val = bad_list(lists["root"], "other_val.csv", "path,labels\nimg/val 1.png,red\n")
     result = run([PYTHON, script("train_single.py"), "--eval-only", "--weights", str(out / "model-best.pth"),
-                  "--train-list", other, "--val-list", lists["val"], "--eval-output", str(tmp_path / "eval")])
+                  "--train-list", other, "--val-list", other_val, "--eval-output", str(tmp_path / "eval")])
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --train-list "), result.stderr
