@@ -483,8 +483,13 @@ def test_evaluation_is_the_same_at_world_1_2_and_3_and_equals_the_predictions_sc
     with open(out / "eval" / "per_class_metrics.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert [r["class"] for r in table] == CLASSES
-    for r, ap in zip(table, aps):
+    for c, (r, ap) in enumerate(zip(table, aps)):
         assert (math.isnan(ap) and r["ap"] == "nan") or float(r["ap"]) == pytest.approx(ap, abs=2e-5)
+        _, (tp, fp, fn) = f1_by_definition(column(scores, c), column(targets, c), thresholds[c])
+        for key, value in (("precision", tp / (tp + fp) if tp + fp else math.nan),
+                           ("recall", tp / (tp + fn) if tp + fn else math.nan),
+                           ("threshold", thresholds[c])):
+            assert (math.isnan(value) and r[key] == "nan") or float(r[key]) == pytest.approx(value, abs=1e-6), (c, key)
     assert [int(r["support"]) for r in table] == [sum(column(targets, c)) for c in range(len(CLASSES))]
 
 
@@ -524,16 +529,16 @@ def test_predict_writes_the_classes_above_their_thresholds_and_the_pt2_and_onnx_
 
 
 def wait_for_checkpoint(out, epoch, job, timeout=300):
+    """Whether checkpoint.pth of ``epoch`` or later could be read before ``job`` ended or the time ran out."""
     deadline = time.monotonic() + timeout
-    while True:
-        assert job.poll() is None, job.communicate()
-        assert time.monotonic() < deadline, "no checkpoint"
+    while job.poll() is None and time.monotonic() < deadline:
         try:
             if torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= epoch:
-                return
+                return True
         except (OSError, RuntimeError, EOFError):
             pass
         time.sleep(0.05)
+    return False
 
 
 @pytest.mark.parametrize("kind", ["single", "ddp"])
@@ -544,10 +549,11 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                            env=subprocess_env({"PROBE_STEP_SLEEP": "0.3"}))
     try:
-        wait_for_checkpoint(out, 0, job)
+        written = wait_for_checkpoint(out, 0, job)
     finally:
         kill_tree(job.pid)
-        job.communicate()
+        stdout, stderr = job.communicate()
+    assert written, f"no checkpoint of epoch 0 (exit code {job.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
     saved = torch.load(out / "checkpoint.pth", weights_only=True)["epoch"]
     assert saved < 2
     resumed = run(train_command(kind, lists, out, "--resume", "auto"))
@@ -604,3 +610,137 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
     recorder.close()
     written = json.loads((tmp_path / "out" / "thresholds.json").read_text())
     assert written == {"classes": {"a": 0.25, "b": 0.75}, "tuned": True, "epoch": 0}
+
+
+# --- Round 11's survivors: each with its own test ----------------------------------------------
+
+def test_the_note_on_classes_without_validation_images_counts_every_label_of_a_row(tmp_path):
+    from utils import read_label_files
+
+    for name in ("a", "b", "c", "d"):
+        colour_image([], random.Random(0)).save(tmp_path / f"{name}.png")
+    (tmp_path / "train.csv").write_text("path,labels\na.png,red blue\nb.png,green\n")
+    (tmp_path / "val.csv").write_text("path,labels\nc.png,green red\nd.png,\n")  # blue never; red as a second label
+    split = read_label_files(str(tmp_path / "train.csv"), str(tmp_path / "val.csv"), multi_label=True)
+    assert [note.split(" gets")[0] for note in split.notes] == ["class 'blue'"]
+
+
+def test_a_negative_multi_hot_value_of_your_own_dataset_is_refused():
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.datasets import Datasets
+
+    class Own(torch.utils.data.Dataset):
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([-1.0, 0.0, 1.0])
+
+    with pytest.raises(UserError, match="values from -1 to 1; give 0 or 1 per class"):
+        check_datasets(Datasets(Own(), Own(), ["a", "b", "c"]), multi_label=True)
+
+
+def test_class_weights_balanced_of_a_multi_label_run_are_the_capped_positive_weights():
+    import numpy as np
+    from multi_train_utils.balance import loss_class_weights
+
+    class Listed(torch.utils.data.Dataset):
+        targets = np.zeros((300, 3), dtype=np.uint8)
+        targets[:1, 0] = 1  # 299 / 1: capped at 100
+        targets[:30, 1] = 1  # 270 / 30 = 9
+        targets[:150, 2] = 1  # 1
+
+        def __len__(self):
+            return 300
+
+    weights = loss_class_weights(full_flags(multi_label=True, class_weights="balanced"), Listed(), 3)
+    assert weights.tolist() == pytest.approx([100.0, 9.0, 1.0])
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "macro_f1", "micro_f1", "loss", "map"])
+def test_every_multi_label_best_metric_is_taken(metric):
+    from multi_train_utils.options import get_args_parser, parse_args
+
+    from conftest import outcome
+
+    parsed = outcome(lambda: parse_args(get_args_parser(distributed=False), ["--multi-label", "--best-metric", metric]))
+    assert not isinstance(parsed, Exception), parsed
+    assert parsed.best_metric == metric
+
+
+def test_a_class_never_predicted_has_precision_nan_and_is_left_out_of_macro_precision():
+    scores = torch.tensor([[0.9, 0.2], [0.8, 0.4], [0.1, 0.3]])
+    targets = torch.tensor([[1, 1], [0, 0], [0, 1]])
+    result = MultiLabelResult(scores, targets, [0.5, 0.5])  # class 1 never reaches 0.5
+    assert math.isnan(result.precision[1]) and result.recall[1] == 0.0 and result.f1[1] == 0.0
+    assert result.precision[0] == pytest.approx(0.5)
+    assert result.macro_precision == pytest.approx(0.5)  # class 1 left out, not counted as 0
+    assert result.macro_recall == pytest.approx(0.5)  # (1 + 0) / 2
+
+
+def test_the_report_keeps_the_curves_of_the_classes_of_lowest_ap_point_by_point():
+    scores, targets = score_table(4, images=15)
+    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    report = result.report(worst=2)
+    measured = sorted((ap, c) for c, ap in enumerate(result.ap) if not math.isnan(ap))
+    assert sorted(report["curves"]) == sorted(str(c) for _, c in measured[:2])
+    for key, curve in report["curves"].items():
+        c = int(key)
+        points = []
+        for t in sorted(set(column(scores, c)), reverse=True):  # fewer than 256: none thinned out
+            _, (tp, fp, fn) = f1_by_definition(column(scores, c), column(targets, c), t)
+            points.append((tp / (tp + fp), tp / (tp + fn)))
+        assert list(zip(curve["precision"], curve["recall"])) == pytest.approx(points)
+
+
+def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_thresholds(tmp_path):
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.datasets import Datasets
+    from multi_train_utils.recorder import RunRecorder
+    from multi_train_utils.train_eval_utils import TrainStats
+
+    scores, targets = score_table(6, images=15)
+    model = torch.nn.Linear(3, 4)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    args = full_flags(multi_label=True, tune_thresholds=True, best_metric="map", output_dir=str(tmp_path / "out"),
+                      log_dir=str(tmp_path / "runs"), epochs=2, plots=False)
+    empty = Datasets(torch.utils.data.TensorDataset(torch.zeros(1)), torch.utils.data.TensorDataset(torch.zeros(1)),
+                     ["a", "b", "c", "d"])
+    recorder = RunRecorder(args, empty, state)
+    recorder.end_epoch(0, TrainStats(0.5, 15, 1.0, 0.1, 15.0), MultiLabelResult(torch.tensor(scores), torch.tensor(targets)))
+    recorder.finish()  # per_class_metrics.csv: the best epoch at the tuned thresholds
+    row = read_metrics(tmp_path / "out")[0]
+    tp = fp = fn = 0
+    for c in range(4):
+        _, (a, b, d) = f1_by_definition(column(scores, c), column(targets, c), 0.5)
+        tp, fp, fn = tp + a, fp + b, fn + d
+    assert row["val_micro_f1"] == f"{2 * tp / (2 * tp + fp + fn):.6f}"  # at 0.5, as every epoch's row
+    assert row["val_micro_precision"] == f"{tp / (tp + fp):.6f}" and row["val_micro_recall"] == f"{tp / (tp + fn):.6f}"
+    tuned = json.loads((tmp_path / "out" / "thresholds.json").read_text())["classes"]
+    for c, name in enumerate("abcd"):
+        if any(column(targets, c)):
+            best = max(sorted(set(column(scores, c)), reverse=True),
+                       key=lambda t: f1_by_definition(column(scores, c), column(targets, c), t)[0])
+            assert tuned[name] == pytest.approx(best, abs=1e-7)
+    with open(tmp_path / "out" / "per_class_metrics.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    as_stored = torch.tensor(scores).tolist()  # float32, as the thresholds (one of them 0.4 in float32)
+    for c, r in enumerate(table):
+        _, (a, b, d) = f1_by_definition(column(as_stored, c), column(targets, c), tuned[r["class"]])
+        assert float(r["threshold"]) == pytest.approx(tuned[r["class"]])
+        for key, value in (("precision", a / (a + b) if a + b else math.nan), ("recall", a / (a + d) if a + d else math.nan),
+                           ("f1", 2 * a / (2 * a + b + d) if 2 * a + b + d else math.nan)):
+            assert (math.isnan(value) and r[key] == "nan") or float(r[key]) == pytest.approx(value), (r["class"], key)
+
+
+def test_every_weights_file_of_a_run_is_predicted_at_the_runs_thresholds(straight):
+    from model import create_model
+    from multi_train_utils.run_files import load_trained_model
+
+    out, _ = straight("ddp")
+    thresholds = list(json.loads((out / "thresholds.json").read_text())["classes"].values())
+    for name in ("model-0.pth", "model-2.pth", "checkpoint.pth", "model-best.pth"):
+        trained = load_trained_model(Namespace(weights=str(out / name), model=None, img_size=None, class_indices=None),
+                                     create_model)
+        assert trained.multi_label is True and trained.thresholds == pytest.approx(thresholds), name
