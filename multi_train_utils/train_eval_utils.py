@@ -307,17 +307,12 @@ def evaluate(model, data_loader, device, num_classes, settings=None):
     model.eval()
     if settings.multi_label:
         return evaluate_multi_label(model, data_loader, device, num_classes, settings)
-    to_device = settings.normalizer(device)
     # One counter tensor, so one all-reduce: the confusion matrix, the top-5 hits, the images left out.
     cells = num_classes * num_classes
     top5 = num_classes > 5
     counts = torch.zeros(cells + 2, dtype=torch.int64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
-    batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
-    for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
-        images, labels = to_device(images, labels)
-        batch_size = batch_size or len(labels)
-        images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
+    loss_sum = loss_accumulator(device)
+    for images, labels, weights in validation_batches(data_loader, device, settings):
         left_out = labels < 0
         counts[cells + 1:].add_((left_out * weights).sum())
         weights, labels = weights * ~left_out, labels.clamp(min=0)
@@ -350,16 +345,11 @@ def evaluate_multi_label(model, data_loader, device, num_classes, settings):
     rank scores its shard (sigmoid probabilities), then every rank gathers every image's
     scores and targets, each image once, and computes the same MultiLabelResult. Rows stay on
     the device until the end; padded rows and images left out (targets -1) are dropped then."""
-    to_device = settings.normalizer(device)
     empty = torch.zeros(0, num_classes, device=device)
     scores, targets, kept = [empty], [empty], []
     left_out = torch.zeros(1, dtype=torch.int64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
-    batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
-    for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
-        images, labels = to_device(images, labels)
-        batch_size = batch_size or len(labels)
-        images, labels, weights = pad_batch(images, labels, batch_size, settings.channels_last)
+    loss_sum = loss_accumulator(device)
+    for images, labels, weights in validation_batches(data_loader, device, settings):
         keep = (weights > 0) & (labels[:, 0] >= 0)  # LEFT_OUT images have every target -1
         left_out += ((weights > 0) & (labels[:, 0] < 0)).sum()
         with settings.precision.autocast():
@@ -381,6 +371,22 @@ def evaluate_multi_label(model, data_loader, device, num_classes, settings):
         raise MidRunError(f"none of the {result.left_out} validation images could be read: is the data still there "
                           "(a folder moved, a network file system gone)?")
     return result
+
+
+def validation_batches(data_loader, device, settings):
+    """(images, labels, weights) of each validation batch: on the device, normalised, a short
+    last batch padded to the loader's batch size (``pad_batch``: weight 0 for its padding)."""
+    to_device = settings.normalizer(device)
+    batch_size = getattr(getattr(data_loader, "batch_sampler", None), "batch_size", None)
+    for images, labels in tqdm(data_loader, desc="[valid]", disable=not is_main_process(), file=sys.stdout):
+        images, labels = to_device(images, labels)
+        batch_size = batch_size or len(labels)
+        yield pad_batch(images, labels, batch_size, settings.channels_last)
+
+
+def loss_accumulator(device):
+    """A zero to sum a pass's loss into, on the device: float64 (MPS has none: float32)."""
+    return torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):
