@@ -59,13 +59,13 @@ def precision_recall_curve(scores, positives, points=CURVE_POINTS):
     return precision[keep].tolist(), recall[keep].tolist()
 
 
-def _ratio(hits, denominators):
+def ratio(hits, denominators):
     """hits / denominators per class as floats, nan where a denominator is 0."""
     hits, denominators = hits.double(), denominators.double()
     return torch.where(denominators > 0, hits / denominators.clamp(min=1), torch.full_like(hits, math.nan))
 
 
-def _nanmean(values):
+def nanmean(values):
     """Mean of the values that are not nan; 0.0 when all are."""
     kept = [v for v in values if not math.isnan(v)]
     return sum(kept) / len(kept) if kept else 0.0
@@ -123,34 +123,34 @@ class MultiLabelResult:
     @property
     def map(self):
         """The mean AP over the classes with at least one positive (0.0 when none has)."""
-        return _nanmean(self.ap)
+        return nanmean(self.ap)
 
     @property
     def precision(self):
         tp, fp, _ = self.counts
-        return _ratio(tp, tp + fp).tolist()
+        return ratio(tp, tp + fp).tolist()
 
     @property
     def recall(self):
         tp, _, fn = self.counts
-        return _ratio(tp, tp + fn).tolist()
+        return ratio(tp, tp + fn).tolist()
 
     @property
     def f1(self):
         tp, fp, fn = self.counts
-        return _ratio(2 * tp, 2 * tp + fp + fn).tolist()
+        return ratio(2 * tp, 2 * tp + fp + fn).tolist()
 
     @property
     def macro_f1(self):
-        return _nanmean(self.f1)
+        return nanmean(self.f1)
 
     @property
     def macro_precision(self):
-        return _nanmean(self.precision)
+        return nanmean(self.precision)
 
     @property
     def macro_recall(self):
-        return _nanmean(self.recall)
+        return nanmean(self.recall)
 
     def _micro(self):
         tp, fp, fn = (int(c.sum()) for c in self.counts)

@@ -17,7 +17,8 @@ from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum,
 from multi_train_utils.errors import MidRunError, UserError
 from multi_train_utils.datasets import images_info
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer
-from multi_train_utils.multi_label_metrics import MultiLabelResult
+from multi_train_utils.multi_label_metrics import MultiLabelResult, ratio
+from multi_train_utils.multi_label_metrics import nanmean as _nanmean  # mean of the defined values; 0.0 when none is
 from multi_train_utils.performance import Precision
 from multi_train_utils.run_files import read_thresholds
 from multi_train_utils.process import get_world_size, is_main_process
@@ -99,9 +100,7 @@ class EvalResult:
 
     def _per_class(self, denominators):
         """Diagonal over ``denominators`` per class as floats, nan where a denominator is 0."""
-        hits = self.confusion.diag().double()
-        denominators = denominators.double()
-        return torch.where(denominators > 0, hits / denominators.clamp(min=1), torch.full_like(hits, math.nan))
+        return ratio(self.confusion.diag(), denominators)
 
     @property
     def recall(self):
@@ -158,12 +157,6 @@ def is_better(metric, value, best):
     if best is None:
         return True
     return value < best if metric == "loss" else value > best
-
-
-def _nanmean(values):
-    """Mean of the values that are not nan; 0.0 when all are (like accuracy with no images)."""
-    kept = [v for v in values if not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else 0.0
 
 
 def train_one_epoch(state, data_loader, device, epoch, settings=None):
