@@ -20,7 +20,8 @@ from multi_train_utils.distributed_utils import configure_cpu_threads, select_de
 from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
 from multi_train_utils.inputs import read_inputs, resume_hint
-from multi_train_utils.loaders import EpochIndexSampler, SeededSamples, ShardSampler, make_loader, seed_epoch
+from multi_train_utils.epoch_position import EpochBatchSampler
+from multi_train_utils.loaders import SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.model_setup import ModelSpec, build_model
 from multi_train_utils.options import get_args_parser, parse_args
@@ -53,7 +54,7 @@ def main(argv=None):
     # A shuffle seeded by (--seed, epoch): the same on every rerun or resume. (--sampler
     # balanced: a class-balanced draw with replacement, seeded alike.)
     train_sampler = make_train_sampler(args, train_set)
-    train_batch_sampler = BatchSampler(EpochIndexSampler(train_sampler), args.batch_size, drop_last=True)
+    train_batch_sampler = EpochBatchSampler(train_sampler, args.batch_size)  # resumable inside an epoch
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     train_loader = make_loader(train_set, train_batch_sampler, workers, device)
     val_loader = make_loader(val_set, val_batch_sampler, workers, device, validation=True)
@@ -75,7 +76,7 @@ def main(argv=None):
     # ---- How it learns (model.py: create_loss, create_optimizer, create_lr_scheduler)
     state = TrainState(model, create_optimizer(model, args), scaler=precision.grad_scaler(),
                        ema=make_model_ema(model, args))  # the scaler: fp16's loss scaling; --model-ema
-    restore_training_state(state, checkpoint)  # resume: optimizer, scaler, EMA, generators, epoch, best
+    restore_training_state(state, checkpoint)  # resume: optimizer, scaler, EMA, generators, epoch (and step), best
     state.lr_scheduler = create_lr_scheduler(state.optimizer, args, len(train_loader), start_epoch=state.epoch)
     state.loss_function = create_loss(args, loss_class_weights(args, train_set, num_classes))
     state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
@@ -92,7 +93,8 @@ def main(argv=None):
             start = time.perf_counter()
             seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
             train_sampler.set_epoch(epoch)
-            train_stats = train_one_epoch(state, train_loader, device, epoch, settings)
+            # inside the epoch too: a checkpoint every --checkpoint-every minutes, and at a preemption notice
+            train_stats = train_one_epoch(state, train_loader, device, epoch, settings, checkpoints=recorder.checkpoints)
             result = evaluate(model, val_loader, device, num_classes, settings)
             ema_result = evaluate(state.ema.module, val_loader, device, num_classes, settings) if state.ema else None
             recorder.end_epoch(epoch, train_stats, result, ema_result, seconds=time.perf_counter() - start)

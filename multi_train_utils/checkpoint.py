@@ -6,11 +6,13 @@ checkpoint-prev.pth; restoring covers the optimizer's, the fp16 scaler's, the EM
 random generators' states, the epoch and the best epoch so far."""
 import os
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from multi_train_utils.epoch_position import EpochPosition
 from multi_train_utils.errors import UserError, one_line
 from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
                                     TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, link_atomic, safe_load,
@@ -24,7 +26,7 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
                      "best_confusion": TENSOR_OR_NULL, "log_dir": TEXT_OR_NULL, "world_size": WHOLE_NUMBER,
                      "scaler": MAPPING_OR_NULL, "rng": MAPPING, "model_ema": MAPPING_OR_NULL,
                      "best_value": NUMBER, "best_source": TEXT, "stopped_early": TEXT_OR_NULL,
-                     "best_report": MAPPING_OR_NULL}
+                     "best_report": MAPPING_OR_NULL, "position": MAPPING_OR_NULL, "run_seconds": NUMBER}
 # Flags a resume must repeat, with the value a checkpoint without them was trained with:
 # another optimizer or other parameter groups cannot take the saved optimizer state, and
 # another --best-metric would compare the saved best with a different figure.
@@ -33,7 +35,8 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
 # "lr_scheduler": the schedule is a function of the epoch) is left out when it is read.
 EARLIER_CHECKPOINTS = {"best_accuracy": -1.0, "best_epoch": -1, "best_source": "model", "best_confusion": None,
                        "metrics": [], "log_dir": None, "scaler": None, "rng": {}, "model_ema": None,
-                       "stopped_early": None, "file_list": None, "world_size": None, "best_report": None}
+                       "stopped_early": None, "file_list": None, "world_size": None, "best_report": None,
+                       "position": None, "run_seconds": 0.0}
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
                   "best_metric": "accuracy", "multi_label": False}
 
@@ -58,6 +61,23 @@ class BestEpoch:
                    checkpoint["best_source"], checkpoint["best_confusion"], report=checkpoint["best_report"])
 
 
+class RunClock:
+    """The run's training time: the epochs' seconds (training, validation, saving) summed over
+    its sessions; a session's start-up and the time between a stop and its resume not counted."""
+
+    def __init__(self, earlier=0.0):
+        self.earlier = earlier  # seconds of the sessions before this one
+        self.started = None  # time.perf_counter() when this session's first epoch began
+
+    def start(self):
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def seconds(self):
+        """The run's seconds so far."""
+        return self.earlier + (time.perf_counter() - self.started if self.started is not None else 0.0)
+
+
 @dataclass
 class TrainState:
     """What training changes step by step, as one object: the model and how it learns, and
@@ -74,11 +94,14 @@ class TrainState:
     epoch: int = 0  # the next epoch to train: the epochs finished so far
     best: BestEpoch = field(default_factory=BestEpoch)
     stop_reason: Optional[str] = None  # why the run ends before --epochs (--patience), or None
+    clock: RunClock = field(default_factory=RunClock)
+    position: Any = None  # epoch_position.EpochPosition inside the epoch the run resumes in, or None
 
 
-def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, file_list, world_size, log_dir):
+def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, file_list, world_size, log_dir,
+                     position=None):
     """The checkpoint's dict (its one maker): ``state`` (a TrainState; its "epoch" is the last
-    one finished), the model's ``weights`` and the EMA's ``ema_state`` already copied to the
+    one finished; ``position``: inside the next, an EpochPosition, or None), the model's ``weights`` and the EMA's ``ema_state`` already copied to the
     CPU, the random generators' states, and the run's record: metrics.csv's rows, the flags
     (``args``, as args.json has them), the classes, the data's files (``file_list``), the
     world size and the TensorBoard folder."""
@@ -89,7 +112,9 @@ def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, 
             "best_epoch": best.epoch, "best_source": best.source, "best_confusion": best.confusion,
             "best_report": best.report,
             "stopped_early": state.stop_reason, "rng": rng_state(), "metrics": metrics, "args": args,
-            "classes": list(classes), "file_list": file_list, "world_size": world_size, "log_dir": log_dir}
+            "classes": list(classes), "file_list": file_list, "world_size": world_size, "log_dir": log_dir,
+            "position": position.to_dict() if position is not None else None,
+            "run_seconds": position.run_seconds if position is not None else state.clock.seconds()}
 
 
 def resumes_in(resume_path, output_dir):
@@ -228,15 +253,17 @@ def restore_training_state(state, checkpoint):
     if scaler is not None and scaler.is_enabled() and checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])  # else (another --amp before) it starts afresh
     try:
-        _restore_rng(checkpoint["rng"] or {})
+        restore_rng(checkpoint["rng"] or {})
     except (TypeError, ValueError, RuntimeError) as e:
         raise UserError(f"--resume: the checkpoint's random generator states cannot be restored ({e}); "
                         "resume from another checkpoint, or start over with --overwrite") from None
     state.epoch, state.best = int(checkpoint["epoch"]) + 1, BestEpoch.from_checkpoint(checkpoint)
+    state.position = EpochPosition.from_dict(checkpoint["position"])  # saved inside the epoch: goes on there
+    state.clock = RunClock(float(checkpoint["run_seconds"]))
     return state.epoch
 
 
-def _restore_rng(rng):
+def restore_rng(rng):
     """The random generators' states as rng_state saved them."""
     if "torch" in rng:
         torch.set_rng_state(rng["torch"])

@@ -2,7 +2,6 @@
 import errno
 import os
 import re
-import signal
 import sys
 
 import torch
@@ -176,10 +175,10 @@ def run_cli(main, argv=None):
     except UserError as e:
         report_error(e)
         sys.exit(EXIT_USER_ERROR)
-    except TrainingInterrupted as e:
-        if e.message:
-            print(f"\ninterrupted by {signal.Signals(e.signum).name}: {e.message}", file=sys.stderr, flush=True)
-        sys.exit(128 + e.signum)
+    except TrainingInterrupted as e:  # also signals.Preempted: saved, exit code 75
+        if e.report():
+            print(f"\n{e.report()}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except Exception as e:
         fault = resource_error(e)
         if fault is not None:

@@ -109,7 +109,7 @@ def warn_if_files_changed(checkpoint, path, data):
 
 def resume_hint(args):
     """What to tell a user whose run was interrupted."""
-    return (f"to continue from the last finished epoch (in {args.output_dir}/checkpoint.pth), "
+    return (f"to continue from the last checkpoint (in {args.output_dir}/checkpoint.pth), "
             "run the same command with --resume auto")
 
 

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.run_files import read_run_args
@@ -233,6 +234,16 @@ def add_run_flags(group):
                             "kept in thresholds.json for predict.py and the export (default: 0.5 each)")
     group.add_argument("--patience", type=in_range(int, lambda v: v >= 0, "be 0 (never stop early) or more"), default=0,
                        metavar="N", help="stop after N epochs without a better --best-metric (0: never)")
+    group.add_argument("--checkpoint-every", type=NOT_NEGATIVE, default=10.0, metavar="MINUTES",
+                       help="also save checkpoint.pth inside an epoch after MINUTES since the last save (0: only at "
+                            "epoch ends); a hard kill then loses at most that much (docs/guarantees.md)")
+    group.add_argument("--requeue", action="store_true",
+                       help="SLURM: after a preemption notice's save, requeue the job (scontrol requeue); needs "
+                            "--resume auto (docs/multi-gpu.md)")
+    group.add_argument("--target-accuracy", type=in_range(finite_float, lambda v: 0 < v <= 1, "be above 0, at most 1"),
+                       default=None, metavar="A",
+                       help="the end summary says when val accuracy (--multi-label: mAP), of the model or its EMA, "
+                            "first reached A (default: none)")
     group.add_argument("--eval-output", default=None, metavar="DIR",
                        help="with --eval-only: write the confusion matrix and the metrics as CSV into DIR")
 
@@ -290,6 +301,7 @@ def parse_args(parser, argv=None):
         args.best_metric = "map" if args.multi_label else "accuracy"
     check_numbers(args)
     check_multi_label_flags(args)
+    check_requeue(args)
     check_data_flags(args, given)
     check_complete(args)
     return args
@@ -352,6 +364,22 @@ def check_numbers(args):
 
 MULTI_LABEL_METRICS = ("map", "micro_f1")  # only multi-label runs have them
 SINGLE_LABEL_METRICS = ("balanced_accuracy",)  # undefined with several classes an image
+
+
+def check_requeue(args):
+    """--requeue needs a SLURM job (SLURM_JOB_ID), scontrol, and --resume auto (what the
+    requeued job continues with)."""
+    if not args.requeue:
+        return
+    if not os.environ.get("SLURM_JOB_ID"):
+        raise UserError("--requeue: SLURM_JOB_ID is not set, so this is not a SLURM job; run it from sbatch "
+                        "(docs/multi-gpu.md has a script) or drop --requeue")
+    if shutil.which("scontrol") is None:
+        raise UserError("--requeue: scontrol is not on PATH, so the job cannot be requeued; add SLURM's bin folder "
+                        "to PATH or drop --requeue")
+    if args.resume != "auto":
+        raise UserError("--requeue needs --resume auto: the requeued job runs the same command and must continue "
+                        "where this one stopped")
 
 
 def check_multi_label_flags(args):

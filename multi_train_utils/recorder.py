@@ -12,12 +12,14 @@ from multi_train_utils.multi_label import is_multi_hot, labels_per_image
 from multi_train_utils.multi_label_report import save_multi_label_report
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_label_distribution,
                                         plot_training_curves, save_confusion_matrix, save_figure)
-from multi_train_utils.inputs import file_list_fingerprint
+from multi_train_utils.inputs import file_list_fingerprint, resume_hint
+from multi_train_utils.mid_epoch import MidEpochCheckpoints
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
 from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, MULTI_LABEL_COLUMNS, args_to_dict,
                                          clear_earlier_run, images_of, model_epoch_files, write_metrics,
                                          write_run_settings, write_thresholds)
+from multi_train_utils.signals import arm_notices
 from multi_train_utils.summary import class_counts, print_end_summary
 from multi_train_utils.train_eval_utils import is_better
 
@@ -34,7 +36,9 @@ class RunRecorder:
     After every epoch, in this order: ``checkpoint.pth`` (which also holds the metrics rows
     and the best epoch), then ``model-{epoch}.pth``, ``model-best.pth`` and metrics.csv, all
     of which can be rebuilt from it. A run stopped anywhere resumes from the last
-    checkpoint and rewrites what came after it.
+    checkpoint and rewrites what came after it. Inside an epoch, ``checkpoints`` (every
+    --checkpoint-every minutes, and at a preemption notice) writes ``checkpoint.pth`` alone,
+    with the position in the epoch.
     """
 
     def __init__(self, args, data, state=None, checkpoint=None, resume_path=None, run_log=None, enabled=None,
@@ -66,6 +70,10 @@ class RunRecorder:
                           f"-{os.getpid()}")
         self.writer = None
         self.resume_lines = []  # where a resumed run goes on: the start summary prints them
+        self.checkpoints = MidEpochCheckpoints(args.checkpoint_every, self._save_inside_epoch, hint=resume_hint(args),
+                                               requeue=args.requeue)
+        self.position = checkpoint["position"] if checkpoint else None  # inside the epoch of the checkpoint
+        arm_notices()  # from now on SIGTERM and SIGUSR1 save, then stop
         if not self.enabled:
             return
         clear_earlier_run(args, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
@@ -74,7 +82,10 @@ class RunRecorder:
         if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
             run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
         write_run_settings(self.output_dir, args, self.classes, images_of(data))  # args.json, class_indices.json
-        if checkpoint:
+        if checkpoint and checkpoint["position"]:  # inside an epoch: the epoch files are those of the epoch before
+            self.resume_lines = self._describe_resume(checkpoint, resume_path)
+            write_metrics(self.output_dir, self.rows)
+        elif checkpoint:
             self.resume_lines = self._describe_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"],
                                     (checkpoint["model_ema"] or {}).get("weights"))
@@ -102,6 +113,14 @@ class RunRecorder:
         elif epoch + 1 >= self.args.epochs:
             lines = [f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
                      "to train longer, run it again with a larger --epochs and --resume auto"]
+        elif checkpoint["position"]:
+            position = checkpoint["position"]
+            lines = [f"resuming from {resume_path} (inside epoch {epoch + 1}: {position['done']} of its "
+                     f"{position['end']} training images done): epochs {epoch + 1} to {self.args.epochs - 1}"]
+            if position["order_world_size"] != world_size:
+                lines.append(f"note: the epoch was begun by {position['order_world_size']} processes, this run has "
+                             f"{world_size}: each of its remaining images is trained once, in other batches, so the "
+                             "weights differ from an uninterrupted run's")
         else:
             optimizer = self.state.optimizer
             now = f", at lr {optimizer.param_groups[0]['lr']:.3g}" if optimizer is not None else ""
@@ -144,10 +163,25 @@ class RunRecorder:
 
     def resume_advice(self):
         """Which checkpoint of this run is intact, and how to go on from it."""
-        if self.saved_epoch is None:
+        if self.saved_epoch is None and self.position is None:
             return "no checkpoint was written yet"
-        return (f"{os.path.join(self.output_dir, CHECKPOINT)} (epoch {self.saved_epoch}) is intact: continue from it "
-                "with --resume auto")
+        where = (f"inside epoch {self.position['epoch']}, {self.position['done']} of {self.position['end']} images"
+                 if self.position else f"epoch {self.saved_epoch}")
+        return f"{os.path.join(self.output_dir, CHECKPOINT)} ({where}) is intact: continue from it with --resume auto"
+
+    def _save_inside_epoch(self, position):
+        """Rank 0: checkpoint.pth of the training state at ``position`` (an EpochPosition), alone:
+        the epoch's files come at its end."""
+        state = self.state
+        ema_state = cpu_tensors(state.ema.state_dict()) if state.ema is not None else None
+        started = time.perf_counter()
+        save_checkpoint(self.output_dir, build_checkpoint(
+            state, cpu_tensors(plain_state_dict(state.model)), ema_state, metrics=self.rows,
+            args=args_to_dict(self.args), classes=self.classes, file_list=self.file_list, world_size=self.world_size,
+            log_dir=self.log_dir, position=position))
+        self.position = position.to_dict()
+        print(f"\ncheckpoint inside epoch {position.epoch}: step {position.step}, {position.done} of {position.end} "
+              f"images ({time.perf_counter() - started:.1f} s)", flush=True)
 
     def end_epoch(self, epoch, train_stats, eval_result, ema_result=None, seconds=0.0):
         """After ``epoch`` (``seconds`` long): pick the best of the epoch (the model or its
@@ -157,16 +191,27 @@ class RunRecorder:
         state.epoch = epoch + 1
         source = self._update_best(epoch, eval_result, ema_result)
         state.stop_reason = self._patience_ran_out(epoch)
-        if not self.enabled:
+        self.position = None
+        if self.enabled:
+            self._save_epoch(epoch, train_stats, eval_result, ema_result, source, seconds)
+        else:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
-            return
+        self.checkpoints.saved()
+        if epoch + 1 < self.args.epochs and not state.stop_reason:
+            self.checkpoints.stop_if_noticed()  # a preemption notice during the epoch's end: stop now
+
+    def _save_epoch(self, epoch, train_stats, eval_result, ema_result, source, seconds):
+        """Rank 0's files of ``epoch``: its metrics row, TensorBoard, checkpoint.pth, model-{epoch}.pth,
+        model-best.pth, metrics.csv; then the epoch's line."""
+        state = self.state
         weights = cpu_tensors(plain_state_dict(state.model))  # copied off the GPU once for the three files
         ema_state = cpu_tensors(state.ema.state_dict()) if state.ema is not None else None
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
         self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
-                          f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}", f"{seconds:.3f}",
+                          f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}",
+                          f"{seconds + train_stats.earlier_seconds:.3f}",
                           *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source,
-                          *multi_label_cells(eval_result, ema_result)])
+                          *multi_label_cells(eval_result, ema_result), f"{state.clock.seconds():.3f}"])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, build_checkpoint(
             state, weights, ema_state, metrics=self.rows, args=args_to_dict(self.args), classes=self.classes,
@@ -247,7 +292,7 @@ class RunRecorder:
                                              f"best epoch {self.state.best.epoch}", writer=self.writer,
                                              step=self._last_epoch(), pictures=self.args.plots)
         print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots,
-                          classes=self.classes)
+                          classes=self.classes, rows=self.rows)
         self.close()
 
     def _last_epoch(self):

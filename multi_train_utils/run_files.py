@@ -27,9 +27,9 @@ THRESHOLDS_FILE = "thresholds.json"  # multi-label: each class's threshold, for 
 METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds",
                   "val_loss", "val_balanced_accuracy", "val_macro_f1", "val_top5_accuracy",
                   "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source",
-                  "val_map", "val_micro_f1", "val_micro_precision", "val_micro_recall", "ema_val_map"]
-# The columns only a multi-label run fills (empty in single-label runs), after the others.
-MULTI_LABEL_COLUMNS = METRICS_HEADER[METRICS_HEADER.index("val_map"):]
+                  "val_map", "val_micro_f1", "val_micro_precision", "val_micro_recall", "ema_val_map", "run_seconds"]
+# The columns only a multi-label run fills (empty in single-label runs).
+MULTI_LABEL_COLUMNS = METRICS_HEADER[METRICS_HEADER.index("val_map"):METRICS_HEADER.index("run_seconds")]
 # Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
 BEST_WEIGHTS = "model-best.pth"

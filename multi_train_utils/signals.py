@@ -1,4 +1,12 @@
-"""Stop cleanly on Ctrl-C (SIGINT) and SIGTERM, within seconds, on every rank.
+"""Stop cleanly on Ctrl-C (SIGINT) and SIGTERM, within seconds, on every rank; or, while the
+epochs run, take SIGTERM and SIGUSR1 as a preemption notice: training saves, then stops.
+
+A notice (SLURM's ``--signal=USR1@120``, the SIGTERM that Kubernetes, spot machines and
+torchrun send before a grace period) only sets a flag while the epochs run (``arm_notices``);
+the training loop reads it at its next step, saves a checkpoint of that step and exits with
+PREEMPTED_EXIT_CODE (see ``mid_epoch``). Further notices change nothing then, and nothing
+ends the save but SIGINT or SIGKILL. Before the epochs run (start-up, --eval-only), a notice
+stops at once as SIGINT does: there is nothing new to save.
 
 A rank blocked in a collective (gloo, NCCL) runs Python signal handlers only when the
 collective returns, which can be never. So the handler itself only raises an exception
@@ -12,11 +20,27 @@ import signal
 import sys
 import threading
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a preemption notice, once the epochs run
+_notice = {"armed": False, "signum": None}
+
+
+def arm_notices():
+    """From now on SIGTERM and SIGUSR1 are preemption notices (the epochs run)."""
+    _notice["armed"] = True
+
+
+def notice_received():
+    """The signal number of the preemption notice received, or None."""
+    return _notice["signum"]
+
+
+def _takes_notice(signum):
+    return signum in NOTICE_SIGNALS and _notice["armed"]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; the exit code is 128 + the signal number. ``message`` says
+    """SIGINT, or SIGTERM / SIGUSR1 before the epochs run, arrived; the exit code is 128 + the signal number. ``message`` says
     how to resume (rank 0 only)."""
 
     def __init__(self, signum=signal.SIGINT, message=None):
@@ -24,11 +48,44 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signum = int(signum)
         self.message = message
 
+    @property
+    def exit_code(self):
+        return 128 + self.signum
+
+    def report(self):
+        """The line rank 0 prints, or None."""
+        return f"interrupted by {signal.Signals(self.signum).name}: {self.message}" if self.message else None
+
+
+# EX_TEMPFAIL of sysexits.h, "a temporary failure; the user is invited to retry": the run
+# saved where it stopped, and goes on with --resume auto. Ctrl-C stays 130 (128 + SIGINT).
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(TrainingInterrupted):
+    """A preemption notice was answered: the checkpoint is saved; every rank exits with
+    PREEMPTED_EXIT_CODE, rank 0 printing ``message``."""
+
+    def __init__(self, signum, message=None):
+        super().__init__(signum, message)
+
+    @property
+    def exit_code(self):
+        return PREEMPTED_EXIT_CODE
+
+    def report(self):
+        return f"{signal.Signals(self.signum).name}: {self.message}" if self.message else None
+
 
 def install_stop_handlers(message=None, grace_seconds=3.0):
-    """Turn SIGINT/SIGTERM into TrainingInterrupted; if unwinding hangs for ``grace_seconds``,
-    print ``message`` (if given) and end the process. Call from the main thread."""
+    """Turn SIGINT (and SIGTERM / SIGUSR1 until ``arm_notices``) into TrainingInterrupted; if
+    unwinding hangs for ``grace_seconds``, print ``message`` (if given) and end the process;
+    once armed, the first SIGTERM or SIGUSR1 is kept as a notice, and later ones ignored.
+    Call from the main thread."""
     def raise_interrupted(signum, frame):
+        if _takes_notice(signum):
+            _notice["signum"] = _notice["signum"] or signum  # the training loop saves at its next step
+            return
         for other in STOP_SIGNALS:  # once: a second signal must not interrupt the clean-up
             signal.signal(other, signal.SIG_IGN)
         raise TrainingInterrupted(signum, message)
@@ -43,7 +100,7 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
     def watchdog():
         while True:
             signum = os.read(read_fd, 1)[0]  # every signal with a Python handler writes its number
-            if signum in STOP_SIGNALS:
+            if signum in STOP_SIGNALS and not _takes_notice(signum):  # a notice: the save may take long
                 break
         threading.Event().wait(grace_seconds)
         if message:
@@ -56,18 +113,15 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
 def reset_in_worker(worker_id=None):
     """DataLoader ``worker_init_fn``. A forked loader worker inherits the handlers and the
     wakeup pipe: it drops the pipe, ignores SIGINT and leaves quietly on SIGTERM (the main
-    process shuts it down and reports the interruption; SLURM and torchrun send SIGTERM to
-    every process, and a worker killed by it would be reported as a crash instead), and it
-    dies with its parent, so a killed trainer never leaves loader workers behind."""
+    process shuts it down and reports the interruption), ignores SIGTERM and SIGUSR1 (SLURM
+    may send them to every process: a notice the trainer answers, with these workers still
+    loading the batches up to its save), and it dies with its parent, so a killed trainer
+    never leaves loader workers behind."""
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _leave_quietly)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         _set_parent_death_signal(signal.SIGKILL)
-
-
-def _leave_quietly(signum, frame):
-    os._exit(0)
 
 
 def die_with_launcher():

@@ -16,6 +16,7 @@ from multi_train_utils.multi_label_report import (MAX_CLASSES_LISTED, WORST_SHOW
                                                   print_multi_label_evaluation, save_multi_label_report)
 from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
+from multi_train_utils.run_files import METRICS_HEADER
 
 RULE = "-" * 78
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
@@ -123,11 +124,35 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def print_end_summary(args, state, seconds, plots=(), classes=()):
+def time_to_target(args, rows, best_epoch):
+    """The end summary's line on the run's clock (metrics.csv's run_seconds): the time to the
+    best epoch and, with --target-accuracy, when val accuracy (multi-label: mAP), of the model
+    or its EMA, first reached it."""
+    rows = [dict(zip(METRICS_HEADER, row)) for row in rows]
+    seconds = {int(r["epoch"]): float(r["run_seconds"]) for r in rows if r.get("run_seconds") not in (None, "")}
+    parts = []
+    if best_epoch in seconds:
+        parts.append(f"the best epoch ({best_epoch}) after {format_duration(seconds[best_epoch])} of training")
+    target = args.target_accuracy
+    if target is not None:
+        name = "map" if args.multi_label else "accuracy"
+        reached = [int(r["epoch"]) for r in rows
+                   if max(float(r[f"val_{name}"] or "nan"), float(r[f"ema_val_{name}"] or "nan")) >= target]
+        label = "mAP" if args.multi_label else "accuracy"
+        if reached and reached[0] in seconds:
+            parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}, after "
+                         f"{format_duration(seconds[reached[0]])}")
+        else:
+            parts.append(f"val {label} never reached --target-accuracy {target:g}")
+    return "run clock: " + "; ".join(parts) if parts else None
+
+
+def print_end_summary(args, state, seconds, plots=(), classes=(), rows=()):
     """Best --best-metric and its epoch (``state.best``), whose weights model-best.pth holds
     (the model's or its EMA's), why the run stopped early if it did, the time taken (``seconds``),
-    and where the weights and ``plots`` are; a multi-label run's per-class figures of the best
-    epoch (of ``classes``) and its thresholds."""
+    the run's clock (``time_to_target`` of metrics.csv's ``rows``), and where the weights and
+    ``plots`` are; a multi-label run's per-class figures of the best epoch (of ``classes``) and
+    its thresholds."""
     output_dir, epoch = args.output_dir, state.best.epoch
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
@@ -135,6 +160,9 @@ def print_end_summary(args, state, seconds, plots=(), classes=()):
         print(state.stop_reason)
     print(f"best val {args.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
           f"{format_duration(seconds)}")
+    clock = time_to_target(args, rows, epoch)
+    if clock:
+        print(clock)
     source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"
     print(f"best weights: {best} ({source}, epoch {epoch})")
     report = state.best.report

@@ -4,6 +4,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from multi_train_utils.checkpoint import restore_rng
+from multi_train_utils.epoch_position import MIN_IMAGES_PER_RANK, EpochPosition
 from multi_train_utils.model_setup import set_train_mode
 from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum, broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
@@ -21,7 +24,7 @@ from multi_train_utils.multi_label_metrics import MultiLabelResult, ratio
 from multi_train_utils.multi_label_metrics import nanmean as _nanmean  # mean of the defined values; 0.0 when none is
 from multi_train_utils.performance import Precision
 from multi_train_utils.run_files import read_thresholds
-from multi_train_utils.process import get_world_size, is_main_process
+from multi_train_utils.process import get_rank, get_world_size, is_main_process
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
 WARMUP_STEPS = 2
@@ -40,6 +43,7 @@ class TrainStats:
     seconds: float
     last_lr: float  # learning rate of the epoch's last optimizer step
     images_per_second: float  # all ranks together, after the first WARMUP_STEPS steps
+    earlier_seconds: float = 0.0  # of this epoch, before a resume inside it
 
 
 @dataclass
@@ -159,19 +163,22 @@ def is_better(metric, value, best):
     return value < best if metric == "loss" else value > best
 
 
-def train_one_epoch(state, data_loader, device, epoch, settings=None):
+def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoints=None):
     """Train ``state``'s model for one epoch; return TrainStats.
 
     ``state``: a ``checkpoint.TrainState``: the model and optimizer, and where given the
     schedule (stepped per optimizer step), the fp16 loss scaler, the EMA (updated after every
-    optimizer step), the loss (``create_loss``'s by default: plain cross-entropy) and the
-    batch mixer (--mixup-alpha, --cutmix-alpha: mixes each normalised batch on the device).
+    optimizer step), the loss (``create_loss``'s by default: plain cross-entropy), the batch
+    mixer (--mixup-alpha, --cutmix-alpha: mixes each normalised batch on the device), the
+    run's clock, and the position inside this epoch a resumed run continues from.
 
     With ``settings.accum_steps`` = k, gradients of k micro-batches are summed before each
     optimizer step (DDP averages them across ranks only on the k-th, under ``no_sync``
     before). The loop never waits for the device just to show numbers: the loss is read
     every ``print_freq`` steps, together with the check that stops every rank at once on a
-    NaN or infinite loss.
+    NaN or infinite loss, and with what ``checkpoints`` (a ``mid_epoch.MidEpochCheckpoints``)
+    asks: a save inside the epoch, or a stop on a preemption notice, at the end of that
+    accumulation group.
     """
     settings = settings or LoopSettings()
     model, optimizer, mixer = state.model, state.optimizer, state.mixer
@@ -179,20 +186,29 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None):
     set_train_mode(model)
     loss_function = (state.loss_function or nn.CrossEntropyLoss()).to(device)  # class weights on the device
     to_device = settings.normalizer(device)
-    steps = len(data_loader)
     world_size = get_world_size()
+    state.clock.start()
+    batches = data_loader.batch_sampler
+    resumed = resume_epoch(state, batches, epoch, settings.accum_steps)  # a resumed run: where this epoch goes on
+    first_step = batches.first_step() if resumed else 0
+    steps = first_step + len(data_loader)
     loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
+    if resumed:
+        loss_sum += resumed.loss_sums[get_rank()] if len(resumed.loss_sums) == world_size and \
+            resumed.order_world_size == world_size else (sum(resumed.loss_sums) if get_rank() == 0 else 0.0)
     first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
-    shown = LossDisplay(epoch)
+    shown = LossDisplay(epoch, earlier_losses=resumed.loss_count if resumed else 0, first_step=first_step)
     last_lr = optimizer.param_groups[0]["lr"]
-    clock = EpochClock(device, images_per_step=data_loader.batch_sampler.batch_size * world_size, steps=steps)
-    progress = tqdm(total=clock.images, unit="img", desc=f"[train epoch {epoch}]", disable=not is_main_process(),
-                    file=sys.stdout)
-    for step, (images, labels) in enumerate(data_loader):
+    clock = EpochClock(device, images_per_step=batches.batch_size * world_size, steps=len(data_loader),
+                       earlier_seconds=resumed.epoch_seconds if resumed else 0.0)
+    progress = tqdm(total=steps * batches.batch_size * world_size, initial=first_step * batches.batch_size * world_size,
+                    unit="img", desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
+    save_at, notice = None, False  # the step after which to save inside the epoch (at a notice: and stop)
+    for step, (images, labels) in enumerate(data_loader, start=first_step):
         images, targets = to_device(images, labels)
         if mixer is not None:
             images, targets = mixer(images, targets, epoch, step)  # soft targets
-        group_start = step - step % settings.accum_steps
+        group_start = max(first_step, step - step % settings.accum_steps)
         group_size = min(settings.accum_steps, steps - group_start)
         updates_now = step == group_start + group_size - 1
         # Between optimizer steps, DDP need not average gradients: only the last backward syncs.
@@ -207,13 +223,56 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None):
         if updates_now:
             last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
             optimizer_step(state, scaler, settings.clip_grad)
+        wishes = checkpoints.flags() if checkpoints is not None else [0.0, 0.0]
         if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
-            shown.update(loss_sum, step + 1, first_bad_step)  # the only host sync in the loop
+            time_due, noticed = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
+        else:  # a single process answers a notice at its next step: no other rank to agree with
+            time_due, noticed = 0.0, wishes[1] if world_size == 1 else 0.0
+        if save_at is None and (time_due or noticed) and step + 1 < steps:
+            save_at, notice = group_start + group_size - 1, bool(noticed)  # the end of this accumulation group
+        notice = notice or bool(noticed)
         progress.update(len(images) * world_size)
-        clock.step_done(step)
+        clock.step_done(step - first_step)
+        if step == save_at and step + 1 < steps:
+            position = EpochPosition(epoch, batches.positions_done(step + 1 - first_step), batches.epoch_end(),
+                                     batches.order_world_size(), step + 1, len(batches.sampler.dataset),
+                                     loss_count=shown.losses_summed(step + 1), run_seconds=state.clock.seconds(),
+                                     epoch_seconds=clock.seconds())
+            checkpoints.save(state, position, loss_sum, notice)  # at a notice: raises Preempted after the save
+            save_at = None
     progress.close()
+    state.position = None  # the next epochs are whole
     return clock.stats(shown.mean_loss, last_lr)
+
+
+def resume_epoch(state, batches, epoch, accum_steps=1):
+    """The EpochPosition this epoch resumes from (state.position, from the checkpoint), or
+    None: the batch sampler then gives the rest of the epoch; the scheduler is moved to that
+    step and, at the checkpoint's world size, this rank's generators put back as they were."""
+    position = state.position
+    if position is None or position.epoch != epoch:
+        return None
+    if position.train_images != len(batches.sampler.dataset):
+        if is_main_process():
+            print(f"warning: the checkpoint stopped inside epoch {epoch} of {position.train_images} training images, "
+                  f"the data now has {len(batches.sampler.dataset)}: epoch {epoch} starts again from its first step",
+                  flush=True)
+        return None
+    batches.resume_at(position)
+    if len(batches) == 0 and is_main_process():
+        print(f"warning: epoch {epoch}: the last {position.end - position.done} images of the interrupted epoch are "
+              f"fewer than {MIN_IMAGES_PER_RANK} per process; they are left out", flush=True)
+    same_world = position.order_world_size == get_world_size() and len(position.rng) == get_world_size()
+    if same_world:
+        restore_rng(position.rng[get_rank()])
+    scheduler_steps = math.ceil(batches.first_step() / accum_steps)  # the optimizer steps done
+    if state.lr_scheduler is not None:
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": moved, not trained
+            warnings.simplefilter("ignore")
+            for _ in range(scheduler_steps):
+                state.lr_scheduler.step()
+    return position
 
 
 def optimizer_step(state, scaler, clip_grad=None):
@@ -234,13 +293,15 @@ def optimizer_step(state, scaler, clip_grad=None):
 
 class EpochClock:
     """An epoch's time and images/s, leaving out the first WARMUP_STEPS steps (worker start-up,
-    first kernels) when the epoch is longer than that."""
+    first kernels) when the epoch is longer than that; ``earlier_seconds``: of the same epoch,
+    before a resume."""
 
-    def __init__(self, device, images_per_step, steps):
+    def __init__(self, device, images_per_step, steps, earlier_seconds=0.0):
         self.device, self.images_per_step, self.steps = device, images_per_step, steps
         self.images = steps * images_per_step  # full batches on every rank
         self.start = self.warm_start = time.perf_counter()
         self.warm_images = 0
+        self.earlier_seconds = earlier_seconds
 
     def step_done(self, step):
         if step + 1 == WARMUP_STEPS and self.steps > WARMUP_STEPS:
@@ -248,25 +309,42 @@ class EpochClock:
                 torch.cuda.synchronize(self.device)  # once an epoch: start the clock when the warm-up is done
             self.warm_start, self.warm_images = time.perf_counter(), (step + 1) * self.images_per_step
 
+    def seconds(self):
+        """The epoch's seconds so far."""
+        return self.earlier_seconds + time.perf_counter() - self.start
+
     def stats(self, mean_loss, last_lr):
         """The epoch's TrainStats."""
         now = time.perf_counter()
-        return TrainStats(mean_loss=mean_loss, images=self.images, seconds=now - self.start, last_lr=last_lr,
-                          images_per_second=(self.images - self.warm_images) / max(now - self.warm_start, 1e-9))
+        return TrainStats(mean_loss=mean_loss, images=self.images, seconds=self.seconds(), last_lr=last_lr,
+                          images_per_second=(self.images - self.warm_images) / max(now - self.warm_start, 1e-9),
+                          earlier_seconds=self.earlier_seconds)
 
 
 class LossDisplay:
-    """The epoch's mean loss over all ranks, read every few steps; raises on a NaN/inf loss."""
+    """The epoch's mean loss over all ranks, read every few steps; raises on a NaN/inf loss.
+    ``earlier_losses``: the (rank, step) losses summed before ``first_step`` (a resumed epoch)."""
 
-    def __init__(self, epoch):
+    def __init__(self, epoch, earlier_losses=0, first_step=0):
         self.epoch = epoch
         self.mean_loss = float("nan")
+        self.earlier_losses, self.first_step = earlier_losses, first_step
 
-    def update(self, loss_sum, steps_done, first_bad_step):
+    def losses_summed(self, steps_done):
+        """The (rank, step) losses summed after ``steps_done`` steps of the epoch."""
+        return self.earlier_losses + (steps_done - self.first_step) * get_world_size()
+
+    def update(self, loss_sum, steps_done, first_bad_step, wishes=(0.0, 0.0)):
+        """Reads the mean loss and sums ``wishes`` (mid_epoch.MidEpochCheckpoints.flags) over
+        ranks, in one all-reduce; returns the summed wishes."""
         bad = (first_bad_step >= 0).to(loss_sum.dtype)
-        # One collective and one read of the device for both numbers.
-        loss_total, bad_ranks = reduce_value(torch.stack([loss_sum, bad]), average=False).tolist()
-        mean_loss = loss_total / steps_done / get_world_size()
+        # One collective and one read of the device for all the numbers.
+        wishes = torch.tensor(wishes, dtype=loss_sum.dtype, device=loss_sum.device)
+        loss_total, bad_ranks, *wishes = reduce_value(torch.cat([torch.stack([loss_sum, bad]), wishes]),
+                                                      average=False).tolist()
+        world_size = get_world_size()
+        # As many losses as steps x ranks, unless a resume changed the world size inside the epoch.
+        mean_loss = loss_total / (self.earlier_losses / world_size + steps_done - self.first_step) / world_size
         if bad_ranks > 0:
             # The same on every rank, so every rank stops here together.
             step = first_bad_step.clone() if bad else torch.full_like(first_bad_step, 2**62)
@@ -277,6 +355,7 @@ class LossDisplay:
                 "lower --lr, add --warmup-epochs or --clip-grad, or check the data"
             )
         self.mean_loss = mean_loss
+        return wishes
 
 
 @torch.no_grad()

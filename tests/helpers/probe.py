@@ -6,7 +6,7 @@ Environment:
   PROBE_OUT       prefix of the JSON file each rank writes (PREFIX.rank{R}.json): its exit code
                   (exit_code: run_cli's, or the stop watchdog's os._exit; none if killed), the
                   parameter checksum before and after the DDP wrap, the sample indices
-                  this rank trains on in each epoch, the dtype and memory format of the
+                  this rank trains on in each epoch (all of it, or after a resume the rest), the dtype and memory format of the
                   first convolution's output in training, the checksum of the buffers
                   (BatchNorm statistics) each evaluation used, a hash of all the weights
                   each evaluation used (the model's, and the EMA's with --model-ema), the training steps run,
@@ -29,6 +29,10 @@ Environment:
                   peer is gone); the clean-up's bound becomes 2 s
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
+  PROBE_SIGNAL    "NAME:STEP:TO[:RANK]": when training step STEP (counted over the process's
+                  life, from 0) begins, send signal NAME (SIGTERM, SIGUSR1, SIGKILL...) to
+                  TO: "launcher" (this process's parent, e.g. torchrun, from rank 0) or "self"
+                  (every rank, or only rank RANK); only in torchrun's first attempt
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
                   vanishes while the run uses it)
   PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
@@ -41,6 +45,7 @@ Probes live here, not in the product's flags.
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -153,8 +158,10 @@ def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
     remove_epoch, _, remove_path = os.environ.get("PROBE_REMOVE_AT_EPOCH", "").partition(":")
     if remove_path and epoch == int(remove_epoch) and rank == 0:
         os.remove(remove_path)
-    record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
-    stats = real_train_one_epoch(state, data_loader, device, epoch, *args, **kwargs)
+    try:
+        stats = real_train_one_epoch(state, data_loader, device, epoch, *args, **kwargs)
+    finally:  # the batches of the epoch as trained (a resumed epoch: what remained of it)
+        record["orders"][epoch] = [index for batch in data_loader.batch_sampler for (_, index) in batch]
     if os.environ.get("PROBE_SKEW_BN") == "1" and rank != 0:
         for module in model.modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -225,6 +232,23 @@ if float(os.environ.get("PROBE_STEP_SLEEP", "0")) > 0:
     nn.CrossEntropyLoss.forward = slow_forward
 
 real_loss_forward = nn.CrossEntropyLoss.forward
+
+
+def parse_signal_spec(spec):
+    """PROBE_SIGNAL's (signal, step, to, rank or None), or None where this process sends nothing."""
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    name, step, to, *only = spec.split(":")
+    if (to == "launcher" and rank != 0) or (only and int(only[0]) != rank):
+        return None
+    return getattr(signal, name), int(step), to
+
+
+def send_probe_signal(signum, step, to):
+    os.kill(os.getppid() if to == "launcher" else os.getpid(), signum)
+
+
+signal_at = parse_signal_spec(os.environ.get("PROBE_SIGNAL"))
 nan_ranks = os.environ.get("PROBE_NAN_RANK", "").split(",")
 nan_steps = os.environ.get("PROBE_NAN_STEP", "0").split(",")
 nan_step = int(nan_steps[nan_ranks.index(str(rank)) % len(nan_steps)]) if str(rank) in nan_ranks else None
@@ -236,6 +260,8 @@ def counted_loss_forward(self, x, y):
     record["loss"] = {"label_smoothing": self.label_smoothing, "class_weights": None if self.weight is None else
                       self.weight.tolist(), "soft_targets": y.dim() == 2}
     step, record["steps"] = record["steps"], record["steps"] + 1
+    if signal_at is not None and step == signal_at[1]:
+        send_probe_signal(*signal_at)
     if step == nan_step:
         loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d(loss)/d(x) is unchanged
     return loss
