@@ -107,6 +107,11 @@ class EpochBatchSampler(Sampler):
         """Steps in a whole epoch at this world size."""
         return len(self.sampler) // self.batch_size
 
+    def dataset_length(self):
+        """The training set's length (the sampler's, unpadded)."""
+        sampler = self.sampler
+        return sampler.size if hasattr(sampler, "global_draw") else len(sampler.dataset)
+
     def resume_at(self, position):
         """From now on, epoch ``position.epoch`` is only what remains of it."""
         self.position = position

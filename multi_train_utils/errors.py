@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from multi_train_utils.signals import TrainingInterrupted
+from multi_train_utils.signals import TrainingInterrupted, end_loader_workers
 
 # Exit code for bad input (argparse uses it for unknown flags too).
 EXIT_USER_ERROR = 2
@@ -169,7 +169,9 @@ def _collective_failure(error):
 def run_cli(main, argv=None):
     """Run an entry script's ``main(argv)``: a UserError, a full disk or exhausted memory
     becomes one line and exit code 2; a collective that lost its peer one line and exit code
-    1; Ctrl-C / SIGTERM one line on how to resume (rank 0) and exit code 128 + the signal number."""
+    1; Ctrl-C / SIGTERM one line on how to resume (rank 0) and exit code 128 + the signal number
+    (75 after a preemption notice's save); any other error its traceback, this process's loader
+    workers ended first."""
     try:
         main(argv)
     except UserError as e:
@@ -186,6 +188,7 @@ def run_cli(main, argv=None):
             sys.exit(EXIT_USER_ERROR)
         message = _collective_failure(e)
         if message is None:
+            end_loader_workers()  # the traceback keeps the loader alive: Python's exit would wait for its workers
             raise
         report_error(RankError(message))
         sys.exit(1)

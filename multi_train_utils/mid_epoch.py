@@ -75,11 +75,11 @@ class MidEpochCheckpoints:
             raise MidRunError("rank 0 could not write the checkpoint inside the epoch (its error says why)")
         self.saved()
         if notice:
-            lines = [f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice, and saved "
-                     f"the checkpoint; {self.hint}"]
+            lines = [f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice "
+                     f"({notice_name()}), and saved the checkpoint; {self.hint}"]
             if self.requeue and is_main_process():
                 lines.insert(0, requeue_job())
-            raise Preempted(notice_received() or signal.SIGTERM, "\n".join(lines) if is_main_process() else None)
+            raise Preempted("\n".join(lines) if is_main_process() else None)
         return True
 
     def stop_if_noticed(self):
@@ -87,10 +87,16 @@ class MidEpochCheckpoints:
         (one all-reduce an epoch)."""
         if agree(notice_received() is None):
             return
-        lines = [f"stopped after an epoch's checkpoint on a preemption notice; {self.hint}"]
+        lines = [f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()}); {self.hint}"]
         if self.requeue and is_main_process():
             lines.insert(0, requeue_job())
-        raise Preempted(notice_received() or signal.SIGTERM, "\n".join(lines) if is_main_process() else None)
+        raise Preempted("\n".join(lines) if is_main_process() else None)
+
+
+def notice_name():
+    """The notice's signal as this process received it, or that another process did."""
+    signum = notice_received()
+    return signal.Signals(signum).name if signum else "received by another process"
 
 
 def _device():

@@ -15,6 +15,7 @@ process if the main thread has not finished unwinding after a grace period. Neit
 on a collective.
 """
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -66,15 +67,15 @@ class Preempted(TrainingInterrupted):
     """A preemption notice was answered: the checkpoint is saved; every rank exits with
     PREEMPTED_EXIT_CODE, rank 0 printing ``message``."""
 
-    def __init__(self, signum, message=None):
-        super().__init__(signum, message)
+    def __init__(self, message=None):
+        super().__init__(notice_received() or signal.SIGTERM, message)
 
     @property
     def exit_code(self):
         return PREEMPTED_EXIT_CODE
 
     def report(self):
-        return f"{signal.Signals(self.signum).name}: {self.message}" if self.message else None
+        return self.message
 
 
 def install_stop_handlers(message=None, grace_seconds=3.0):
@@ -82,6 +83,8 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
     unwinding hangs for ``grace_seconds``, print ``message`` (if given) and end the process;
     once armed, the first SIGTERM or SIGUSR1 is kept as a notice, and later ones ignored.
     Call from the main thread."""
+    _notice.update(armed=False, signum=None)
+
     def raise_interrupted(signum, frame):
         if _takes_notice(signum):
             _notice["signum"] = _notice["signum"] or signum  # the training loop saves at its next step
@@ -122,6 +125,15 @@ def reset_in_worker(worker_id=None):
         signal.signal(signum, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         _set_parent_death_signal(signal.SIGKILL)
+
+
+def end_loader_workers():
+    """Kill this process's loader workers (its daemonic multiprocessing children). An error's
+    traceback keeps the DataLoader's iterator alive until Python exits, and Python's exit then
+    waits for workers that ignore SIGTERM: the rank would never end, nor would its job."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 def die_with_launcher():

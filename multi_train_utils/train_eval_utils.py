@@ -227,8 +227,8 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
         if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
             time_due, noticed = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
-        else:  # a single process answers a notice at its next step: no other rank to agree with
-            time_due, noticed = 0.0, wishes[1] if world_size == 1 else 0.0
+        else:  # a single process decides at every step: no other rank to agree with
+            time_due, noticed = wishes if world_size == 1 else (0.0, 0.0)
         if save_at is None and (time_due or noticed) and step + 1 < steps:
             save_at, notice = group_start + group_size - 1, bool(noticed)  # the end of this accumulation group
         notice = notice or bool(noticed)
@@ -236,7 +236,7 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
         clock.step_done(step - first_step)
         if step == save_at and step + 1 < steps:
             position = EpochPosition(epoch, batches.positions_done(step + 1 - first_step), batches.epoch_end(),
-                                     batches.order_world_size(), step + 1, len(batches.sampler.dataset),
+                                     batches.order_world_size(), step + 1, batches.dataset_length(),
                                      loss_count=shown.losses_summed(step + 1), run_seconds=state.clock.seconds(),
                                      epoch_seconds=clock.seconds())
             checkpoints.save(state, position, loss_sum, notice)  # at a notice: raises Preempted after the save
@@ -253,10 +253,10 @@ def resume_epoch(state, batches, epoch, accum_steps=1):
     position = state.position
     if position is None or position.epoch != epoch:
         return None
-    if position.train_images != len(batches.sampler.dataset):
+    if position.train_images != batches.dataset_length():
         if is_main_process():
             print(f"warning: the checkpoint stopped inside epoch {epoch} of {position.train_images} training images, "
-                  f"the data now has {len(batches.sampler.dataset)}: epoch {epoch} starts again from its first step",
+                  f"the data now has {batches.dataset_length()}: epoch {epoch} starts again from its first step",
                   flush=True)
         return None
     batches.resume_at(position)

@@ -208,7 +208,7 @@ def test_sigint_stops_every_process_within_10_seconds(kind, to, tiny_data, tmp_p
     if kind == "ddp":  # each worker exits 130 (as the probe saw it leave); torchrun itself returns 1
         assert [r.get("exit_code") for r in probe_records(tmp_path / "probe", 2)] == [130, 130]
         assert job.returncode == 1
-    assert "interrupted by SIGINT: to continue from the last finished epoch" in stderr
+    assert "interrupted by SIGINT: to continue from the last checkpoint" in stderr
     assert "run the same command with --resume auto" in stderr
     finished = [int(line.split("]")[0].split()[-1]) for line in stdout.splitlines() if line.startswith("[epoch ")]
     checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
@@ -223,14 +223,17 @@ def wait_for_processes(job, count, timeout=60):
     return pids_of_tree(job.pid)
 
 
-def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path):
+@pytest.mark.parametrize("workers,step", [("0", None), ("1", "3")])
+def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path, workers, step):
+    """At its first step, or mid-epoch with a loader worker running (whose iterator the error's
+    traceback keeps alive: Python's exit must not wait for that worker)."""
     job = start([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                 *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", "0")],
-                env={"PROBE_RAISE_RANK": "1"})
+                 *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", workers)],
+                env={"PROBE_RAISE_RANK": "1", **({"PROBE_RAISE_STEP": step} if step else {})})
     pids = wait_for_processes(job, 3)  # torchrun and its two workers
     stdout, stderr = job.communicate(timeout=60)
     assert job.returncode != 0
-    assert "RuntimeError: probe: rank 1 fails" in stderr
+    assert "RuntimeError: probe: rank 1 fails" + (f" at step {step}" if step else "") in stderr
     time.sleep(1)
     assert not [p for p in pids if alive(p)]
 

@@ -6,6 +6,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from conftest import PROBE, PYTHON, TORCHRUN, free_port, pids_of_tree, run, script, train_args
 from test_fault_tolerance import alive, no_process_left_behind, start, wait_for_checkpoint  # noqa: F401 (autouse)
@@ -140,9 +141,10 @@ def test_the_lock_checks_the_folder_can_be_written_and_bad_input_leaves_no_trace
         run_lock.lock_output_dir(str(tmp_path / "ro"))
 
 
-def test_sigterm_to_every_process_is_an_interruption_not_a_crash(tiny_data, tmp_path):
-    """SLURM's scancel and torchrun send SIGTERM to the loader workers too: the trainer still
-    says how to resume and exits with 143, with no DataLoader traceback."""
+def test_sigterm_to_every_process_is_a_notice_answered_with_a_save_not_a_crash(tiny_data, tmp_path):
+    """SLURM's scancel and a cluster's preemption send SIGTERM to the loader workers too: they
+    keep loading, the trainer saves where it is, says how to continue and exits with 75, with
+    no DataLoader traceback."""
     out = tmp_path / "out"
     job = start([PYTHON, PROBE, "single", *train_args(tiny_data, out, "--epochs", "50", "--workers", "2")],
                 env={"PROBE_STEP_SLEEP": "0.2"})
@@ -152,8 +154,10 @@ def test_sigterm_to_every_process_is_an_interruption_not_a_crash(tiny_data, tmp_
     assert len(pids) >= 3  # the trainer and its two loader workers
     os.killpg(job.pid, signal.SIGTERM)
     stdout, stderr = job.communicate(timeout=30)
-    assert job.returncode == 143, stderr
-    assert "interrupted by SIGTERM: to continue from the last finished epoch" in stderr
+    assert job.returncode == 75, stderr
+    assert "on a preemption notice (SIGTERM)" in stderr and "run the same command with --resume auto" in stderr
     assert "Traceback" not in stderr and "killed by signal" not in stderr, stderr
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert checkpoint["epoch"] >= 0 and (checkpoint["position"] is None or checkpoint["position"]["step"] > 0)
     time.sleep(0.5)
     assert not [p for p in pids if alive(p)]

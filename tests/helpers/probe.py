@@ -23,7 +23,8 @@ Environment:
   PROBE_NAN_RANK  R: the loss value of rank R becomes NaN at its step PROBE_NAN_STEP
                   (default 0); its gradients stay finite, so nothing reaches other ranks.
                   Lists ("0,1" and "2,1") give each of those ranks its own step
-  PROBE_RAISE_RANK R: rank R raises an exception at its first training step
+  PROBE_RAISE_RANK R: rank R raises an exception at its first training step (before its
+                  loader starts), or with PROBE_RAISE_STEP N in the forward of its step N
   PROBE_HANG_RANK R: rank R stops responding at its first training step
   PROBE_STUCK_DESTROY "1": destroying the process group never returns (as NCCL's can when a
                   peer is gone); the clean-up's bound becomes 2 s
@@ -33,6 +34,8 @@ Environment:
                   life, from 0) begins, send signal NAME (SIGTERM, SIGUSR1, SIGKILL...) to
                   TO: "launcher" (this process's parent, e.g. torchrun, from rank 0) or "self"
                   (every rank, or only rank RANK); only in torchrun's first attempt
+  PROBE_SIGNAL_IN_SAVE NAME: send signal NAME to this process while it writes a checkpoint
+                  inside an epoch, after the file's first bytes
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
                   vanishes while the run uses it)
   PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
@@ -146,7 +149,7 @@ real_train_one_epoch = target.train_one_epoch
 
 def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
     model = state.model
-    if os.environ.get("PROBE_RAISE_RANK") == str(rank):
+    if os.environ.get("PROBE_RAISE_RANK") == str(rank) and not os.environ.get("PROBE_RAISE_STEP"):
         raise RuntimeError(f"probe: rank {rank} fails")
     if os.environ.get("PROBE_HANG_RANK") == str(rank):
         time.sleep(3600)
@@ -249,6 +252,31 @@ def send_probe_signal(signum, step, to):
 
 
 signal_at = parse_signal_spec(os.environ.get("PROBE_SIGNAL"))
+
+if os.environ.get("PROBE_SIGNAL_IN_SAVE"):
+    import multi_train_utils.recorder as recorder
+
+    real_save_inside_epoch, real_torch_save = recorder.RunRecorder._save_inside_epoch, torch.save
+    saving = []
+
+    def save_inside_epoch(self, position):
+        saving.append(True)
+        try:
+            return real_save_inside_epoch(self, position)
+        finally:
+            saving.pop()
+
+    def torch_save_signalled(obj, f, *args, **kwargs):
+        if saving and hasattr(f, "write"):
+            f.write(b"PK")  # the file has begun
+            f.flush()
+            os.kill(os.getpid(), getattr(signal, os.environ["PROBE_SIGNAL_IN_SAVE"]))
+            f.seek(0)
+            f.truncate()
+        return real_torch_save(obj, f, *args, **kwargs)
+
+    recorder.RunRecorder._save_inside_epoch = save_inside_epoch
+    torch.save = torch_save_signalled
 nan_ranks = os.environ.get("PROBE_NAN_RANK", "").split(",")
 nan_steps = os.environ.get("PROBE_NAN_STEP", "0").split(",")
 nan_step = int(nan_steps[nan_ranks.index(str(rank)) % len(nan_steps)]) if str(rank) in nan_ranks else None
@@ -260,6 +288,8 @@ def counted_loss_forward(self, x, y):
     record["loss"] = {"label_smoothing": self.label_smoothing, "class_weights": None if self.weight is None else
                       self.weight.tolist(), "soft_targets": y.dim() == 2}
     step, record["steps"] = record["steps"], record["steps"] + 1
+    if os.environ.get("PROBE_RAISE_RANK") == str(rank) and os.environ.get("PROBE_RAISE_STEP") == str(step):
+        raise RuntimeError(f"probe: rank {rank} fails at step {step}")
     if signal_at is not None and step == signal_at[1]:
         send_probe_signal(*signal_at)
     if step == nan_step:
