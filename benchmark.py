@@ -5,6 +5,7 @@
     python benchmark.py --data-path data/flower_photos --num-images 3670
     python benchmark.py --scale 10000,100000,1281000   # start-up and worker memory against the file count
     python benchmark.py --decoders 96,224  # one loader worker's JPEG decoding at these crop sizes
+    python benchmark.py --save-cost resnet34,resnet50   # seconds a checkpoint inside the epoch pauses training
 
 Prints a table and writes it as JSON (--json). What each row means:
   data       the training loader alone (decode, augment, collate), images/s
@@ -20,6 +21,9 @@ worker's memory growth over an epoch.
 --decoders rows instead: for each JPEG decoder the template can use (TorchCodec, PIL), with
 and without the reduced-size decode, one loader worker's images/s (one thread: read, decode,
 the train transform) and the mean and largest pixel difference of its full-size decode to PIL's.
+--save-cost rows instead: for each model, with SGD (momentum) and AdamW state after one optimizer
+step and 1000 classes, the size of checkpoint.pth and the seconds one save takes, as training
+writes it inside an epoch (off the device, build, atomic write, the previous kept): the pause.
 The first steps of every timed run (start-up, kernel selection) are left out. results.timed
 records, per row, what was timed: images and steps after the warm-up and, for rows that run
 the model here, the dtype and memory format of the first convolution's output.
@@ -41,12 +45,12 @@ from unittest import mock
 import torch
 from PIL import Image
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.transforms.v2.functional import pil_to_tensor
 from tqdm import tqdm
 
 from model import create_model
-from multi_train_utils.checkpoint import TrainState
+from multi_train_utils.checkpoint import TrainState, build_checkpoint, save_checkpoint
 from multi_train_utils.data_split import split_class_folders
 from multi_train_utils.datasets import MyDataSet, image_file_datasets
 from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
@@ -55,8 +59,10 @@ from multi_train_utils.errors import UserError, run_cli
 from multi_train_utils.example_data import make_demo_dataset
 from multi_train_utils import images
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
-from multi_train_utils.loaders import EpochIndexSampler, SeededSamples, make_loader, stack_batch
-from multi_train_utils.model_setup import ModelSpec, check_input_size
+from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
+from multi_train_utils.files import cpu_tensors
+from multi_train_utils.loaders import SeededSamples, make_loader, stack_batch
+from multi_train_utils.model_setup import ModelSpec, check_input_size, plain_state_dict
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.run_files import read_metrics
@@ -101,6 +107,14 @@ def get_args_parser():
     parser.add_argument("--scale-dir", default=os.path.join(REPO, "data", "benchmark-scale"), help="with --scale: where the simulated folders go")
     parser.add_argument("--decoders", type=file_counts, default=None, metavar="SIZE,SIZE,...", help="instead of the speed rows: one loader worker's JPEG decoding + train transform at these crop sizes (e.g. 96,224), for each decoder")
     parser.add_argument("--decoder-repeats", type=int, default=5, help="with --decoders: passes over the images per row, interleaved; the median is reported")
+    parser.add_argument("--save-cost", type=lambda text: [m for m in text.split(",") if m], default=None,
+                        metavar="MODEL,MODEL,...", help="instead of the speed rows: seconds per checkpoint save with "
+                        "SGD and AdamW state (e.g. resnet34,resnet50), written into --save-dir")
+    parser.add_argument("--save-dir", default=os.path.join(REPO, "weights", "save-cost"),
+                        help="with --save-cost: where the checkpoints are written (the disk of your --output-dir), "
+                             "removed afterwards")
+    parser.add_argument("--save-repeats", type=int, default=5, help="with --save-cost: saves per row; the median "
+                        "is reported")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
     return parser
 
@@ -530,6 +544,67 @@ def report_decoders(args):
     print(f"\nwritten to {args.json}")
 
 
+# --- --save-cost: what a checkpoint inside the epoch costs ---------------------------------------
+
+def save_cost_rows(models, folder, repeats, device):
+    """Per model and optimizer: checkpoint.pth's size and the median seconds of one save, as
+    ``recorder.RunRecorder`` writes it inside an epoch."""
+    rows = []
+    os.makedirs(folder, exist_ok=True)
+    try:
+        for name in models:
+            for opt in ("sgd", "adamw"):
+                torch.manual_seed(0)
+                model = create_model(name, 1000, 3).to(device)
+                optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt == "sgd" else
+                             torch.optim.AdamW(model.parameters(), lr=0.001))
+                model(torch.randn(2, 3, 64, 64, device=device)).sum().backward()
+                optimizer.step()  # the optimizer's state exists, as it does inside an epoch
+                state = TrainState(model, optimizer)
+                position = EpochPosition(0, 0, 1, 1, 0, 1)
+                seconds = []
+                for _ in range(repeats + 1):  # the first one warms the file system's cache
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    save_checkpoint(folder, build_checkpoint(
+                        state, cpu_tensors(plain_state_dict(model)), metrics=[], args={}, classes=[],
+                        file_list=None, world_size=1, log_dir=None, position=position))
+                    seconds.append(time.perf_counter() - start)
+                size = os.path.getsize(os.path.join(folder, "checkpoint.pth"))
+                rows.append({"model": name, "optimizer": opt, "megabytes": size / 1e6,
+                             "seconds": statistics.median(seconds[1:]), "max_seconds": max(seconds[1:])})
+                print(f"{name} {opt}: {size / 1e6:.0f} MB, {rows[-1]['seconds']:.2f} s a save", flush=True)
+    finally:
+        for leftover in ("checkpoint.pth", "checkpoint-prev.pth"):
+            path = os.path.join(folder, leftover)
+            if os.path.exists(path):
+                os.remove(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+    return rows
+
+
+def report_save_cost(args):
+    """--save-cost: the rows, printed and written to --json."""
+    device = select_device(args.device)
+    configure_cpu_threads(device)
+    rows = save_cost_rows(args.save_cost, args.save_dir, args.save_repeats, device)
+    machine = machine_description(device)
+    print(f"\n{machine}; written to {os.path.abspath(args.save_dir)}")
+    print(f"{'model':<16}{'optimizer':<10}{'checkpoint':>11}{'s a save':>10}{'max':>7}{'MB/s':>8}")
+    for row in rows:
+        print(f"{row['model']:<16}{row['optimizer']:<10}{row['megabytes']:>8.0f} MB{row['seconds']:>10.2f}"
+              f"{row['max_seconds']:>7.2f}{row['megabytes'] / row['seconds']:>8.0f}")
+    print(f"median of {args.save_repeats} saves after one more; a save inside the epoch pauses training this long, "
+          "once every --checkpoint-every minutes")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine, "device": str(device), "save_dir": os.path.abspath(args.save_dir),
+                   "save_cost": rows}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
 # --- The report ---------------------------------------------------------------------------------
 
 def machine_description(device):
@@ -609,6 +684,8 @@ def main(argv=None):
         return report_scale(args)
     if args.decoders:
         return report_decoders(args)
+    if args.save_cost:
+        return report_save_cost(args)
     # before the data is made (the class count does not change which sizes a model takes)
     check_input_size(ModelSpec(create_model, args.model, 2, args.img_size), args.batch_size, training=True)
     device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context
@@ -621,7 +698,7 @@ def main(argv=None):
     split = split_class_folders(data_path, val_rate=0.1, seed=0)
     train_set = SeededSamples(image_file_datasets(split, args.img_size).train, seed=0)  # the built-in pipeline
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=0)
-    batches = BatchSampler(EpochIndexSampler(sampler), args.batch_size, drop_last=True)
+    batches = EpochBatchSampler(sampler, args.batch_size, world_size=1, rank=0)  # as the scripts batch
     if len(batches) <= WARMUP_STEPS:
         raise UserError(f"{len(split.train_images_path)} training images give {len(batches)} batches of "
                         f"{args.batch_size}; need more than {WARMUP_STEPS}: raise --num-images")

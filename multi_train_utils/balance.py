@@ -1,7 +1,7 @@
 """Imbalanced classes: a class-balanced sampler that works under DDP, and class weights for the loss.
 
 ``BalancedDistributedSampler`` takes the place of ``DistributedSampler`` (inside
-``my_dataset.EpochIndexSampler``): each epoch it makes one global draw with replacement, of
+``epoch_position.EpochBatchSampler``): each epoch it makes one global draw with replacement, of
 the training set's length, in which every class is equally likely, seeded by (seed, epoch)
 alone, so that every rank draws the same and a resume repeats it; each rank then takes its
 own positions of that draw. Labels come from the dataset's ``targets`` (the split's labels for
@@ -147,7 +147,7 @@ class BalancedDistributedSampler(Sampler):
     is padded with its own first indices to a multiple of ``num_replicas``, and rank r takes
     positions r, r + num_replicas, ...: ranks get disjoint positions of one draw, together
     all of it. ``set_epoch`` and ``.epoch`` as DistributedSampler's, so
-    ``my_dataset.EpochIndexSampler`` wraps it unchanged.
+    ``epoch_position.EpochBatchSampler`` batches it unchanged.
     """
 
     def __init__(self, labels, num_replicas=1, rank=0, seed=0):

@@ -51,24 +51,6 @@ def seed_epoch(seed, epoch, rank=None):
     torch.manual_seed(sample_seed(seed + 7919, epoch, get_rank() if rank is None else rank))
 
 
-class EpochIndexSampler(Sampler):
-    """Yields ``(epoch, index)`` pairs from a sampler that has ``.epoch`` (DistributedSampler).
-
-    The epoch reaches the loader workers with each index, so even persistent workers draw
-    each epoch's augmentations afresh (see ``SeededSamples``).
-    """
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    def __iter__(self):
-        epoch = self.sampler.epoch
-        return ((epoch, index) for index in self.sampler)
-
-    def __len__(self):
-        return len(self.sampler)
-
-
 class ShardSampler(Sampler):
     """Rank ``rank`` of ``world_size`` gets indices rank, rank + world_size, ...: no padding.
 

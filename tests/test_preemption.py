@@ -37,7 +37,7 @@ def rows_without_timing(out):
 def assert_same_run(out, reference, epochs=2):
     """The same metrics rows (timing aside), final weights and EMA (1e-6) as ``reference``."""
     assert rows_without_timing(out) == rows_without_timing(reference)
-    for name in (f"model-{epochs - 1}.pth",):
+    for name in (f"model-{epoch}.pth" for epoch in range(epochs)):  # the epoch before the stop's kept too
         got, expected = (torch.load(d / name, weights_only=True) for d in (out, reference))
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6, msg=key)
@@ -260,11 +260,12 @@ def test_the_padded_order_is_what_the_ranks_train(world_size, balanced):
         assert len(trained) == len(sampler) // 2 * 2
 
 
-@pytest.mark.parametrize("to_world", [1, 2, 3, 4])
+@pytest.mark.parametrize("to_world", [1, 2, 3, 4, 5])
 def test_the_rest_of_an_epoch_at_any_world_size_is_each_image_once(to_world):
     """An epoch begun by 2 ranks (batch 3, 37 images: 6 steps of 6 positions), stopped after 2
-    steps, resumed by 1 to 4 ranks: every remaining position once, every rank the same number
-    of steps, each at least 2 images."""
+    steps, resumed by 1 to 5 ranks: every remaining position once, every rank the same number
+    of steps, each at least 2 images (3 ranks: a last step of 6, 2 each; 5 ranks: the 9 left
+    after a step of 15 are fewer than 2 each, and join it)."""
     from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
     from torch.utils.data import DistributedSampler
 
@@ -285,6 +286,15 @@ def test_the_rest_of_an_epoch_at_any_world_size_is_each_image_once(to_world):
     order = list(whole) + list(whole)[:1]  # padded for 2 ranks
     remaining = Counter(index for b in per_rank for batch in b for index in batch)
     assert remaining == Counter(order[12:36])
+    assert len(per_rank[0]) == {1: 8, 2: 4, 3: 3, 4: 2, 5: 1}[to_world]
+
+
+def test_a_rest_of_fewer_than_2_images_a_rank_is_left_out_with_no_step_before():
+    from multi_train_utils.epoch_position import step_bounds
+
+    assert step_bounds(30, 36, 3, 4) == []  # 6 images for 4 ranks, a step of 12: no step before to join
+    assert step_bounds(30, 36, 3, 3) == [30, 36]  # 2 each
+    assert step_bounds(0, 30, 3, 4) == [0, 12, 30]  # the last 6 join the step before
 
 
 def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the_target_was_reached():

@@ -51,14 +51,13 @@ def test_every_image_mode_becomes_rgb(tiny_data):
 
 def epoch_images(train_set, seed, epochs, workers):
     """{(epoch, index): image} through the scripts' real sampler and loader chain."""
-    from torch.utils.data import BatchSampler, DistributedSampler
+    from torch.utils.data import DistributedSampler
 
-    from multi_train_utils.loaders import EpochIndexSampler
+    from multi_train_utils.epoch_position import EpochBatchSampler
     from multi_train_utils.loaders import make_loader
 
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)
-    loader = make_loader(train_set, BatchSampler(EpochIndexSampler(sampler), 4, drop_last=True), workers,
-                         torch.device("cpu"))
+    loader = make_loader(train_set, EpochBatchSampler(sampler, 4, world_size=1, rank=0), workers, torch.device("cpu"))
     seen = {}
     for epoch in epochs:
         sampler.set_epoch(epoch)
