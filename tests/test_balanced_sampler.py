@@ -3,12 +3,13 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from multi_train_utils.balance import (BalancedDistributedSampler, class_weights, find_imbalance,
                                        training_labels)
 from multi_train_utils.errors import UserError
-from multi_train_utils.loaders import EpochIndexSampler, SeededSamples
+from multi_train_utils.epoch_position import EpochBatchSampler
+from multi_train_utils.loaders import SeededSamples
 
 # 10:1 imbalanced: 200 images of class 0, 20 of class 1, 20 of class 2 (interleaved, as a
 from multi_train_utils.datasets import MyDataSet
@@ -91,7 +92,7 @@ def test_lengths_at_world_sizes_one_to_four(n):
 def test_it_plugs_in_where_distributed_sampler_does():
     sampler = BalancedDistributedSampler(IMBALANCED, 2, 1, seed=0)
     sampler.set_epoch(3)
-    batches = list(BatchSampler(EpochIndexSampler(sampler), 4, drop_last=True))
+    batches = list(EpochBatchSampler(sampler, 4, world_size=2, rank=1))
     assert len(batches) == len(sampler) // 4
     assert all(epoch == 3 for batch in batches for epoch, _ in batch)
     assert [i for batch in batches for _, i in batch] == list(sampler)[:len(batches) * 4]
