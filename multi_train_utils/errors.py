@@ -170,8 +170,9 @@ def run_cli(main, argv=None):
     """Run an entry script's ``main(argv)``: a UserError, a full disk or exhausted memory
     becomes one line and exit code 2; a collective that lost its peer one line and exit code
     1; Ctrl-C / SIGTERM one line on how to resume (rank 0) and exit code 128 + the signal number
-    (75 after a preemption notice's save); any other error its traceback, this process's loader
-    workers ended first."""
+    (75 after a preemption notice's save); any other error its traceback. On every way out, this
+    process's loader workers are ended first: an error's traceback keeps the loader alive, and
+    Python's exit would wait for its workers."""
     try:
         main(argv)
     except UserError as e:
@@ -188,7 +189,8 @@ def run_cli(main, argv=None):
             sys.exit(EXIT_USER_ERROR)
         message = _collective_failure(e)
         if message is None:
-            end_loader_workers()  # the traceback keeps the loader alive: Python's exit would wait for its workers
             raise
         report_error(RankError(message))
         sys.exit(1)
+    finally:
+        end_loader_workers()
