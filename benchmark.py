@@ -561,7 +561,7 @@ def save_cost_rows(models, folder, repeats, device):
                 model(torch.randn(2, 3, 64, 64, device=device)).sum().backward()
                 optimizer.step()  # the optimizer's state exists, as it does inside an epoch
                 state = TrainState(model, optimizer)
-                position = EpochPosition(0, 0, 1, 1, 0, 1)
+                position = EpochPosition(epoch=0, done=0, end=1, order_world_size=1, step=0, train_images=1)
                 seconds = []
                 for _ in range(repeats + 1):  # the first one warms the file system's cache
                     if device.type == "cuda":

@@ -128,7 +128,8 @@ class EpochBatchSampler(Sampler):
             return [indices[i:i + self.batch_size] for i in range(0, self.full_steps * self.batch_size,
                                                                    self.batch_size)]
         order = padded_order(self.sampler, position.order_world_size)
-        return remaining_batches(order, position.done, position.end, self.batch_size, self.world_size, self.rank)
+        return remaining_batches(order, position.done, position.end, self.batch_size, world_size=self.world_size,
+                                 rank=self.rank)
 
     def first_step(self):
         """The number of this epoch's first step: 0, or after a resume the steps of this world
@@ -147,6 +148,13 @@ class EpochBatchSampler(Sampler):
         start, end = (position.done, position.end) if position else (0, None)
         done = start + steps * self.batch_size * self.world_size
         return done if end is None else min(done, end)
+
+    def position_after(self, steps, first_step, **figures):
+        """The EpochPosition after ``steps`` steps of this epoch, this run having begun at
+        ``first_step``; ``figures``: the loss count and the clocks."""
+        return EpochPosition(epoch=self.sampler.epoch, done=self.positions_done(steps - first_step),
+                             end=self.epoch_end(), order_world_size=self.order_world_size(), step=steps,
+                             train_images=self.dataset_length(), **figures)
 
     def order_world_size(self):
         """The world size whose padding this epoch's order has."""

@@ -193,7 +193,7 @@ class RunRecorder:
         state.stop_reason = self._patience_ran_out(epoch)
         self.position = None
         if self.enabled:
-            self._save_epoch(epoch, train_stats, eval_result, ema_result, source, seconds)
+            self._save_epoch(epoch, train_stats, eval_result, ema_result, source=source, seconds=seconds)
         else:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
         self.checkpoints.saved()

@@ -1,5 +1,7 @@
-"""Stop cleanly on Ctrl-C (SIGINT) and SIGTERM, within seconds, on every rank; or, while the
-epochs run, take SIGTERM and SIGUSR1 as a preemption notice: training saves, then stops.
+"""Stop on Ctrl-C within seconds on every rank; take SIGTERM and SIGUSR1 as preemption notices.
+
+Ctrl-C (SIGINT) stops at once. While the epochs run, SIGTERM and SIGUSR1 are a notice:
+training saves, then stops.
 
 A notice (SLURM's ``--signal=USR1@120``, the SIGTERM that Kubernetes, spot machines and
 torchrun send before a grace period) only sets a flag while the epochs run (``arm_notices``);
@@ -130,10 +132,13 @@ def reset_in_worker(worker_id=None):
 def end_loader_workers():
     """Kill this process's loader workers (its daemonic multiprocessing children). An error's
     traceback keeps the DataLoader's iterator alive until Python exits, and Python's exit then
-    waits for workers that ignore SIGTERM: the rank would never end, nor would its job."""
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
+    waits for workers that ignore SIGTERM: the rank would never end, nor would its job. (The
+    DataLoader's SIGCHLD handler, which would report them as crashed, goes first.)"""
+    children = [child for child in multiprocessing.active_children() if child.daemon]
+    if children and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
 
 
 def die_with_launcher():

@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from multi_train_utils.checkpoint import restore_rng
-from multi_train_utils.epoch_position import MIN_IMAGES_PER_RANK, EpochPosition
+from multi_train_utils.epoch_position import MIN_IMAGES_PER_RANK
 from multi_train_utils.model_setup import set_train_mode
 from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum, broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
@@ -164,21 +164,13 @@ def is_better(metric, value, best):
 
 
 def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoints=None):
-    """Train ``state``'s model for one epoch; return TrainStats.
-
-    ``state``: a ``checkpoint.TrainState``: the model and optimizer, and where given the
-    schedule (stepped per optimizer step), the fp16 loss scaler, the EMA (updated after every
-    optimizer step), the loss (``create_loss``'s by default: plain cross-entropy), the batch
-    mixer (--mixup-alpha, --cutmix-alpha: mixes each normalised batch on the device), the
-    run's clock, and the position inside this epoch a resumed run continues from.
-
-    With ``settings.accum_steps`` = k, gradients of k micro-batches are summed before each
-    optimizer step (DDP averages them across ranks only on the k-th, under ``no_sync``
-    before). The loop never waits for the device just to show numbers: the loss is read
-    every ``print_freq`` steps, together with the check that stops every rank at once on a
-    NaN or infinite loss, and with what ``checkpoints`` (a ``mid_epoch.MidEpochCheckpoints``)
-    asks: a save inside the epoch, or a stop on a preemption notice, at the end of that
-    accumulation group.
+    """Train ``state``'s model (a ``checkpoint.TrainState``: model, optimizer, schedule, fp16
+    scaler, EMA, loss, batch mixer, clock, and where a resumed epoch goes on) for one epoch;
+    return TrainStats. With ``settings.accum_steps`` = k, k micro-batches' gradients make one
+    optimizer step (DDP averages them only on the k-th, under ``no_sync`` before). The loss is
+    read every ``print_freq`` steps, the one host sync, with the NaN check that stops every
+    rank at once and what ``checkpoints`` (``mid_epoch.MidEpochCheckpoints``) asks: a save
+    inside the epoch, or a stop at a preemption notice, at the end of that accumulation group.
     """
     settings = settings or LoopSettings()
     model, optimizer, mixer = state.model, state.optimizer, state.mixer
@@ -186,24 +178,14 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
     set_train_mode(model)
     loss_function = (state.loss_function or nn.CrossEntropyLoss()).to(device)  # class weights on the device
     to_device = settings.normalizer(device)
-    world_size = get_world_size()
-    state.clock.start()
-    batches = data_loader.batch_sampler
-    resumed = resume_epoch(state, batches, epoch, settings.accum_steps)  # a resumed run: where this epoch goes on
-    first_step = batches.first_step() if resumed else 0
+    batches, world_size = data_loader.batch_sampler, get_world_size()
+    first_step, loss_sum, shown, clock = start_epoch(state, data_loader, epoch, settings, device)
     steps = first_step + len(data_loader)
-    loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
-    if resumed:
-        loss_sum += resumed.loss_sums[get_rank()] if len(resumed.loss_sums) == world_size and \
-            resumed.order_world_size == world_size else (sum(resumed.loss_sums) if get_rank() == 0 else 0.0)
     first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
-    shown = LossDisplay(epoch, earlier_losses=resumed.loss_count if resumed else 0, first_step=first_step)
     last_lr = optimizer.param_groups[0]["lr"]
-    clock = EpochClock(device, images_per_step=batches.batch_size * world_size, steps=len(data_loader),
-                       earlier_seconds=resumed.epoch_seconds if resumed else 0.0)
     progress = tqdm(total=steps * batches.batch_size * world_size, initial=first_step * batches.batch_size * world_size,
                     unit="img", desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
-    save_at, notice = None, False  # the step after which to save inside the epoch (at a notice: and stop)
+    save = SavePlan()  # inside the epoch: when every rank decided to save (at a notice: and stop)
     for step, (images, labels) in enumerate(data_loader, start=first_step):
         images, targets = to_device(images, labels)
         if mixer is not None:
@@ -225,25 +207,55 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
             optimizer_step(state, scaler, settings.clip_grad)
         wishes = checkpoints.flags() if checkpoints is not None else [0.0, 0.0]
         if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
-            time_due, noticed = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync
+            wishes = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync, every rank's
             progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
-        else:  # a single process decides at every step: no other rank to agree with
-            time_due, noticed = wishes if world_size == 1 else (0.0, 0.0)
-        if save_at is None and (time_due or noticed) and step + 1 < steps:
-            save_at, notice = group_start + group_size - 1, bool(noticed)  # the end of this accumulation group
-        notice = notice or bool(noticed)
+        elif world_size > 1:  # a single process decides at every step: no other rank to agree with
+            wishes = [0.0, 0.0]
+        save.decide(*wishes, group_end=group_start + group_size - 1, last_step=steps - 1)
         progress.update(len(images) * world_size)
         clock.step_done(step - first_step)
-        if step == save_at and step + 1 < steps:
-            position = EpochPosition(epoch, batches.positions_done(step + 1 - first_step), batches.epoch_end(),
-                                     batches.order_world_size(), step + 1, batches.dataset_length(),
-                                     loss_count=shown.losses_summed(step + 1), run_seconds=state.clock.seconds(),
-                                     epoch_seconds=clock.seconds())
-            checkpoints.save(state, position, loss_sum, notice)  # at a notice: raises Preempted after the save
-            save_at = None
+        if step == save.at:
+            position = batches.position_after(step + 1, first_step, loss_count=shown.losses_summed(step + 1),
+                                              run_seconds=state.clock.seconds(), epoch_seconds=clock.seconds())
+            checkpoints.save(state, position, loss_sum, save.notice)  # at a notice: raises Preempted after it
+            save.at = None
     progress.close()
     state.position = None  # the next epochs are whole
     return clock.stats(shown.mean_loss, last_lr)
+
+
+@dataclass
+class SavePlan:
+    """When train_one_epoch saves inside the epoch: after step ``at``, the end of the
+    accumulation group in which every rank decided to (never the epoch's last step: its end
+    saves anyway), and whether it then stops (``notice``)."""
+
+    at: Optional[int] = None
+    notice: bool = False
+
+    def decide(self, time_due, noticed, group_end, last_step):
+        """The summed wishes of this step (``MidEpochCheckpoints.flags``, agreed by every rank)."""
+        if self.at is None and (time_due or noticed) and group_end < last_step:
+            self.at = group_end
+        self.notice = self.notice or bool(noticed)
+
+
+def start_epoch(state, data_loader, epoch, settings, device):
+    """(first step, this rank's loss sum, LossDisplay, EpochClock) of ``epoch``, the run's clock
+    started: 0 and nothing yet, or where a resumed run goes on (``resume_epoch``). The saved loss sums go back to their
+    ranks at the checkpoint's world size; at another, rank 0 takes their total."""
+    batches, world_size = data_loader.batch_sampler, get_world_size()
+    state.clock.start()  # the run's clock: from its first epoch on
+    resumed = resume_epoch(state, batches, epoch, settings.accum_steps)
+    first_step = batches.first_step() if resumed else 0
+    loss_sum = torch.zeros((), device=device)  # this rank's, over the epoch's micro-batches
+    if resumed:
+        same_world = len(resumed.loss_sums) == world_size and resumed.order_world_size == world_size
+        loss_sum += resumed.loss_sums[get_rank()] if same_world else (sum(resumed.loss_sums) if get_rank() == 0 else 0)
+    shown = LossDisplay(epoch, earlier_losses=resumed.loss_count if resumed else 0, first_step=first_step)
+    clock = EpochClock(device, images_per_step=batches.batch_size * world_size, steps=len(data_loader),
+                       earlier_seconds=resumed.epoch_seconds if resumed else 0.0)
+    return first_step, loss_sum, shown, clock
 
 
 def resume_epoch(state, batches, epoch, accum_steps=1):

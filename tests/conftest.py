@@ -513,7 +513,7 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
                                         "val_loss,val_balanced_accuracy,val_macro_f1,val_top5_accuracy,"
                                         "ema_val_accuracy,ema_val_loss,ema_val_balanced_accuracy,ema_val_macro_f1,"
                                         "best_source,val_map,val_micro_f1,val_micro_precision,val_micro_recall,"
-                                        "ema_val_map")
+                                        "ema_val_map,run_seconds")
     rows = read_metrics(output_dir)
     assert [int(r["epoch"]) for r in rows] == list(range(epochs))
     for r in rows:
@@ -523,6 +523,7 @@ def assert_run_outputs(output_dir, epochs, lr=0.001, steps_per_epoch=9, num_clas
         assert r["val_top5_accuracy"] == r["ema_val_accuracy"] == "" and r["best_source"] == "model"
         assert r["val_map"] == r["val_micro_f1"] == r["ema_val_map"] == ""  # multi-label runs' columns
         assert float(r["images_per_second"]) > 0 and float(r["epoch_seconds"]) > 0
+        assert 0 < float(r["run_seconds"]) < 600  # the run's clock at the epoch's end
     # the lr of each epoch's last step on the per-step cosine schedule (lr * lrf at the very end)
     steps = steps_per_epoch
     for epoch, r in enumerate(rows):

@@ -30,7 +30,7 @@ COMMON_RANGES = {
     "--model-ema-decay": (["0", "1"], ["1e-9", "0.999999"]),
     "--keep-last": (["-1"], ["0"]),
     "--patience": (["-1"], ["0"]),
-    "--checkpoint-every": (["-0.5", "nan"], ["0", "0.5"]),
+    "--checkpoint-every": (["-0.5"], ["0", "0.5"]),
     "--target-accuracy": (["0", "1.01", "-0.2"], ["1", "0.75"]),
     "--accum-steps": (["0"], ["1"]),
     "--clip-grad": (["0", "-1"], ["1e-9"]),

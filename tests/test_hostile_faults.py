@@ -252,9 +252,10 @@ def test_every_float_flag_refuses_nan_and_inf_before_anything_starts(capsys):
     float_flags = {name: sorted(a.option_strings[0] for a in parser._actions if reads_floats(a))
                    for name, parser in entry_parsers().items()}
     assert not [a for p in entry_parsers().values() for a in p._actions if a.type is float], float_flags
-    assert float_flags["train_single"] == ["--clip-grad", "--cutmix-alpha", "--hflip", "--label-smoothing", "--lr",
-                                           "--lr-gamma", "--lrf", "--mixup-alpha", "--model-ema-decay", "--momentum",
-                                           "--random-erase", "--val-rate", "--weight-decay"]
+    assert float_flags["train_single"] == ["--checkpoint-every", "--clip-grad", "--cutmix-alpha", "--hflip",
+                                           "--label-smoothing", "--lr", "--lr-gamma", "--lrf", "--mixup-alpha",
+                                           "--model-ema-decay", "--momentum", "--random-erase", "--target-accuracy",
+                                           "--val-rate", "--weight-decay"]
     assert float_flags["train_multi_gpu"] == float_flags["train_single"]
     parser = get_args_parser(distributed=True)
     for flag in float_flags["train_single"]:

@@ -234,4 +234,4 @@ def test_every_csv_is_quoted_by_the_csv_module_and_formulas_are_neutralised(tmp_
     metrics = [[0, "1.500000", "0.400000", "0.001", "12.50", "3.000"], [1, "-0.5", "0.5", "1e-05", "nan", "2"]]
     write_metrics(str(tmp_path), metrics)
     # the six columns as written; the later ones empty for rows that lack them
-    assert [list(r.values()) for r in read_metrics(str(tmp_path))] == [[str(v) for v in r] + [""] * 14 for r in metrics]
+    assert [list(r.values()) for r in read_metrics(str(tmp_path))] == [[str(v) for v in r] + [""] * 15 for r in metrics]
