@@ -231,7 +231,11 @@ def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path, workers, step):
                  *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", workers)],
                 env={"PROBE_RAISE_RANK": "1", **({"PROBE_RAISE_STEP": step} if step else {})})
     pids = wait_for_processes(job, 3)  # torchrun and its two workers
-    stdout, stderr = job.communicate(timeout=60)
+    try:
+        _, stderr = job.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        stderr = ""
+    assert job.poll() is not None, "the job did not end within 60 s of a rank's error"
     assert job.returncode != 0
     assert "RuntimeError: probe: rank 1 fails" + (f" at step {step}" if step else "") in stderr
     time.sleep(1)

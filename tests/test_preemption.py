@@ -6,6 +6,7 @@ ends: the same weights, EMA and metrics.csv rows. At another world size the epoc
 with each remaining image once. The straight runs are made once and shared.
 """
 import os
+import shutil
 import signal
 import stat
 import time
@@ -14,7 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (PROBE, PYTHON, TORCHRUN, free_port, parse_flags, probe_records, read_metrics, run, train_args)
+from conftest import (FAST, PROBE, PYTHON, TORCHRUN, free_port, parse_flags, probe_records, read_metrics, run,
+                      train_args)
 
 # 36 training images; batch 2: 9 steps an epoch at world size 2, 18 in one process.
 # --print-freq 3 with --accum-steps 2: the check at step 2 falls on the first micro-batch of
@@ -86,10 +88,11 @@ def test_sigusr1_to_one_rank_saves_every_rank_at_the_same_step_and_the_resume_eq
     1: both ranks stop at the same step, rank 0 saves it, both exit 75; --resume auto at the
     same world size equals the straight run. Then the same checkpoint resumed by one process
     trains each of the epoch's remaining images exactly once."""
-    out = tmp_path / "out"
+    out, bin_dir = tmp_path / "out", fake_scontrol(tmp_path / "bin")
     signal_step = 1  # epoch 1's second step (rank 1's step 10 of its life)
-    stopped = run(torchrun(*train_args(tiny_data, out, *RECIPE)),
-                  env={"PROBE_OUT": f"{out}.probe", "PROBE_SIGNAL": f"SIGUSR1:{DDP_STEPS + signal_step}:self:1"})
+    stopped = run(torchrun(*train_args(tiny_data, out, *RECIPE, "--requeue", "--resume", "auto")),
+                  env={"PROBE_OUT": f"{out}.probe", "PROBE_SIGNAL": f"SIGUSR1:{DDP_STEPS + signal_step}:self:1",
+                       "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "77"})
     records = probe_records(f"{out}.probe", 2)
     assert [r["exit_code"] for r in records] == [75, 75], stopped.stdout + stopped.stderr
     assert f"stopped at epoch 1, step {expected_stop_step(signal_step)} on a preemption notice (received by another " \
@@ -100,6 +103,7 @@ def test_sigusr1_to_one_rank_saves_every_rank_at_the_same_step_and_the_resume_eq
     assert (checkpoint["epoch"], position["epoch"], position["step"]) == (0, 1, steps_done)
     assert (position["done"], position["end"], position["order_world_size"]) == (steps_done * 2 * 2, 36, 2)
     assert [r["steps"] for r in records] == [DDP_STEPS + steps_done] * 2  # no rank trained a step more
+    assert (bin_dir / "calls.txt").read_text() == "requeue 77\n"  # rank 0 alone asked SLURM
     assert len(read_metrics(out)) == 1  # epoch 0's row; epoch 1 is not finished
     # another world size: one process goes on from a copy of the checkpoint
     other = tmp_path / "one-process"
@@ -154,8 +158,9 @@ def test_torchrun_restarts_a_killed_worker_from_the_checkpoint_inside_the_epoch(
 
 def test_sigkill_after_a_time_based_checkpoint_then_resume_equals_a_straight_run(tiny_data, tmp_path, straight):
     """One process, a model with dropout: --checkpoint-every saves inside epoch 1, SIGKILL
-    ends the process mid-epoch, --resume auto continues from the last save exactly; the run
-    clock goes on from the checkpoint's."""
+    ends the process mid-epoch, twice (the second time in the resumed epoch), and --resume
+    auto continues from the last save exactly; the run clock goes on from the checkpoint's,
+    and the epoch's seconds count those before the stops."""
     out = tmp_path / "out"
     flags = [*SINGLE[:-2], "--checkpoint-every", "0.00001"]  # SINGLE ends with --checkpoint-every 0
     killed = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags)],
@@ -167,15 +172,23 @@ def test_sigkill_after_a_time_based_checkpoint_then_resume_equals_a_straight_run
     assert (position["epoch"], position["step"], position["done"]) == (1, 9, 18)
     epoch0_clock = float(read_metrics(out)[0]["run_seconds"])
     assert epoch0_clock <= position["run_seconds"]
+    again = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags, "--resume", "auto")],
+                env={"PROBE_SIGNAL": "SIGKILL:4:self"})  # this session's fifth step: epoch 1, step 13
+    assert again.returncode == -signal.SIGKILL
+    position = torch.load(out / "checkpoint.pth", weights_only=True)["position"]
+    assert (position["epoch"], position["step"], position["done"]) == (1, 13, 26)
     started = time.monotonic()
     resumed = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags, "--resume", "auto")])
     session = time.monotonic() - started
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert_same_run(out, straight("single"))
     rows = read_metrics(out)
-    assert float(rows[0]["run_seconds"]) == epoch0_clock  # the killed session's row, kept
-    # epoch 1's clock: the killed session's share up to its save, plus this session's training
-    assert position["run_seconds"] < float(rows[1]["run_seconds"]) < position["run_seconds"] + session
+    assert float(rows[0]["run_seconds"]) == epoch0_clock  # the first session's row, kept
+    # epoch 1's clock: the earlier sessions' share up to the last save, plus this session's training
+    run1 = float(rows[1]["run_seconds"])
+    assert position["run_seconds"] < run1 < position["run_seconds"] + session
+    # and its seconds: those before the last save, plus this session's (which the run clock also counts)
+    assert float(rows[1]["epoch_seconds"]) > position["epoch_seconds"] + (run1 - position["run_seconds"]) - 0.1
 
 
 def fake_scontrol(folder):
@@ -232,6 +245,8 @@ def test_requeue_refuses_outside_slurm_or_without_resume_auto(monkeypatch, tmp_p
     monkeypatch.setenv("PATH", str(fake_scontrol(tmp_path / "bin")))
     with pytest.raises(UserError, match="--requeue needs --resume auto"):
         parse_flags(True, "--requeue")
+    with pytest.raises(UserError, match="--requeue needs --resume auto"):
+        parse_flags(True, "--requeue", "--resume", str(tmp_path / "checkpoint.pth"))
     assert parse_flags(True, "--requeue", "--resume", "auto").requeue
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(UserError, match="scontrol is not on PATH"):
@@ -310,6 +325,8 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
                   "best_value": 0.5, "best_accuracy": 0.5, "best_epoch": 2, "best_source": "model",
                   "best_confusion": None, "best_report": None, "position": None, "run_seconds": 125.0}
     restore_training_state(state, checkpoint)
+    time.sleep(0.05)
+    assert state.clock.seconds() == 125.0  # not running before the epochs begin (start-up not counted)
     state.clock.start()
     assert 125.0 <= state.clock.seconds() < 126.0  # not the time since the checkpoint was written
     assert RunClock().seconds() == 0.0
@@ -325,3 +342,88 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
                                              "first reached at epoch 1, after 2m10s")
     args.target_accuracy = 0.95
     assert time_to_target(args, rows, 2).endswith("val accuracy never reached --target-accuracy 0.95")
+
+
+def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
+    """--checkpoint-every 2: due 2 minutes after the last checkpoint (exactly then), again 2
+    minutes after a save inside the epoch or an epoch's; never with 0."""
+    from multi_train_utils import mid_epoch
+    from multi_train_utils.epoch_position import EpochPosition
+
+    now = [1000.0]
+    monkeypatch.setattr(mid_epoch.time, "monotonic", lambda: now[0])
+    written = []
+    saves, never = mid_epoch.MidEpochCheckpoints(2.0, written.append), mid_epoch.MidEpochCheckpoints(0, written.append)
+    now[0] += 119.5
+    assert saves.flags() == [0.0, 0.0]
+    now[0] += 0.5
+    assert saves.flags() == [1.0, 0.0] and never.flags() == [0.0, 0.0]
+    position = EpochPosition(epoch=0, done=4, end=36, order_world_size=1, step=2, train_images=36)
+    assert saves.save(None, position, torch.tensor(3.0), notice=False)
+    assert written == [position] and position.loss_sums == [3.0]
+    assert saves.flags() == [0.0, 0.0]  # the clock starts again at the save
+    now[0] += 119.0
+    assert saves.flags() == [0.0, 0.0]
+    saves.saved()  # an epoch's checkpoint
+    now[0] += 100.0
+    assert saves.flags() == [0.0, 0.0]
+    now[0] += 20.0
+    assert saves.flags() == [1.0, 0.0]
+    now[0] += 1e6
+    assert never.flags() == [0.0, 0.0]
+
+
+def test_the_fault_advice_names_the_checkpoint_inside_the_epoch(tmp_path):
+    """A fault after a save inside epoch 0 names that checkpoint as the intact one (not "no
+    checkpoint was written yet")."""
+    from argparse import Namespace
+
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.epoch_position import EpochPosition
+    from multi_train_utils.recorder import RunRecorder
+
+    model = torch.nn.Linear(2, 2)
+    recorder = RunRecorder.__new__(RunRecorder)
+    recorder.__dict__.update(state=TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), rows=[],
+                             output_dir=str(tmp_path), args=Namespace(), classes=["a", "b"], file_list=None,
+                             world_size=1, log_dir=None, position=None, saved_epoch=None)
+    assert recorder.resume_advice() == "no checkpoint was written yet"
+    recorder._save_inside_epoch(EpochPosition(epoch=0, done=8, end=36, order_world_size=2, step=2, train_images=36))
+    assert recorder.resume_advice() == (f"{tmp_path / 'checkpoint.pth'} (inside epoch 0, 8 of 36 images) is intact: "
+                                        "continue from it with --resume auto")
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["position"]["done"] == 8
+
+
+def test_a_notice_at_an_epochs_last_step_stops_after_its_checkpoint_and_requeues(tiny_data, tmp_path):
+    """SIGUSR1 in epoch 0's last step (one process, --requeue): no save inside the epoch, the
+    epoch is validated and saved, then the run stops with 75 and SLURM is asked to requeue."""
+    out, bin_dir = tmp_path / "out", fake_scontrol(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "31",
+           "PROBE_SIGNAL": "SIGUSR1:17:self", "PROBE_OUT": f"{out}.probe"}
+    stopped = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *SINGLE, "--requeue", "--resume", "auto")],
+                  env=env)
+    assert probe_records(f"{out}.probe", 1)[0]["exit_code"] == 75, stopped.stdout + stopped.stderr
+    assert "stopped after an epoch's checkpoint on a preemption notice (SIGUSR1)" in stopped.stderr
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert checkpoint["epoch"] == 0 and checkpoint["position"] is None and len(read_metrics(out)) == 1
+    assert (bin_dir / "calls.txt").read_text() == "requeue 31\n"
+
+
+def test_a_training_set_that_grew_starts_the_interrupted_epoch_again(tiny_data, tmp_path):
+    """Images added between a stop inside epoch 1 and the resume: the epoch starts again from
+    its first step, with a warning, and trains every image of the new set's order."""
+    train = tmp_path / "train"
+    shutil.copytree(tiny_data["train"], train)
+    out = tmp_path / "out"
+    flags = ["--data-path", str(train), "--val-path", tiny_data["val"], "--check-images", *FAST,
+             "--output-dir", str(out), "--log-dir", str(out) + "-tb", *SINGLE]
+    stopped = run([PYTHON, PROBE, "single", *flags], env={"PROBE_SIGNAL": "SIGTERM:22:self"})
+    assert stopped.returncode == 75, stopped.stderr
+    daisy = sorted((train / "daisy").glob("*.jpg"))[0]
+    for name in ("added_1.jpg", "added_2.jpg"):
+        shutil.copy(daisy, train / "daisy" / name)
+    resumed = run([PYTHON, PROBE, "single", *flags, "--resume", "auto"], env={"PROBE_OUT": f"{out}.probe"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert ("the checkpoint stopped inside epoch 1 of 36 training images, the data now has 38: epoch 1 starts again "
+            "from its first step") in resumed.stdout
+    assert sorted(probe_records(f"{out}.probe", 1)[0]["orders"]["1"]) == list(range(38))
