@@ -233,7 +233,7 @@ def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path, workers, step):
     pids = wait_for_processes(job, 3)  # torchrun and its two workers
     try:
         _, stderr = job.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
+    except subprocess.SubprocessError:  # still running after 60 s
         stderr = ""
     assert job.poll() is not None, "the job did not end within 60 s of a rank's error"
     assert job.returncode != 0
