@@ -7,6 +7,7 @@ optimizer step), so no partial gradient is ever lost. At a notice (SIGTERM, SIGU
 ``signals``) every rank then exits with signals.PREEMPTED_EXIT_CODE, after rank 0 asked SLURM to
 requeue the job (--requeue).
 """
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +18,8 @@ import torch.distributed as dist
 
 from multi_train_utils.checkpoint import rng_state
 from multi_train_utils.errors import MidRunError
-from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
+from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum
+from multi_train_utils.process import get_world_size, is_main_process
 from multi_train_utils.signals import Preempted, notice_received
 
 def requeue_job():
@@ -55,12 +57,11 @@ class MidEpochCheckpoints:
         """A checkpoint was written (inside the epoch or at its end): the clock starts again."""
         self.last_save = time.monotonic()
 
-    def save(self, state, position, loss_sum, notice):
+    def save(self, position, loss_sum, notice):
         """Every rank: gather each rank's loss sum and generator states into ``position``, let
-        rank 0 write the checkpoint, and wait for it; at a ``notice``, requeue (rank 0,
-        --requeue) and raise Preempted."""
-        position.loss_sums = [float(v) for v in gather_values(loss_sum)]
-        if not all(torch.isfinite(torch.tensor(position.loss_sums))):
+        rank 0 write the checkpoint, and wait for it; at a ``notice``, stop (``_stop``)."""
+        position.loss_sums = all_gather_rows(loss_sum.detach().double().reshape(1, 1)).flatten().tolist()
+        if not all(math.isfinite(v) for v in position.loss_sums):
             return False  # the loss check that follows stops every rank
         position.rng = gather_objects(rng_state())
         error = None
@@ -69,28 +70,31 @@ class MidEpochCheckpoints:
                 self.write(position)
             except Exception as e:  # noqa: BLE001 - the others must learn of it, then it is raised
                 error = e
-        if not agree(error is None):
+        if not agree(error is None, loss_sum.device):
             if error is not None:
                 raise error
             raise MidRunError("rank 0 could not write the checkpoint inside the epoch (its error says why)")
         self.saved()
         if notice:
-            lines = [f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice "
-                     f"({notice_name()}), and saved the checkpoint; {self.hint}"]
-            if self.requeue and is_main_process():
-                lines.insert(0, requeue_job())
-            raise Preempted("\n".join(lines) if is_main_process() else None)
+            self._stop(f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice "
+                       f"({notice_name()}), and saved the checkpoint")
         return True
 
-    def stop_if_noticed(self):
-        """After an epoch's checkpoint: every rank stops (Preempted) if any received a notice
-        (one all-reduce an epoch)."""
-        if agree(notice_received() is None):
-            return
-        lines = [f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()}); {self.hint}"]
-        if self.requeue and is_main_process():
+    def stop_if_noticed(self, device):
+        """After an epoch's checkpoint: every rank stops if any received a notice (one
+        all-reduce an epoch, on ``device``)."""
+        if not agree(notice_received() is None, device):
+            self._stop(f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()})")
+
+    def _stop(self, what):
+        """Rank 0 requeues the job (--requeue); every rank raises Preempted (rank 0 with ``what``
+        and how to continue)."""
+        if not is_main_process():
+            raise Preempted(None)
+        lines = [f"{what}; {self.hint}"]
+        if self.requeue:
             lines.insert(0, requeue_job())
-        raise Preempted("\n".join(lines) if is_main_process() else None)
+        raise Preempted("\n".join(lines))
 
 
 def notice_name():
@@ -99,28 +103,9 @@ def notice_name():
     return signal.Signals(signum).name if signum else "received by another process"
 
 
-def _device():
-    backend = dist.get_backend() if is_dist_avail_and_initialized() else "gloo"
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-def agree(ok):
-    """True on every rank when ``ok`` is true on every rank."""
-    if get_world_size() < 2:
-        return bool(ok)
-    flag = torch.tensor([0.0 if ok else 1.0], device=_device())
-    dist.all_reduce(flag)
-    return float(flag) == 0.0
-
-
-def gather_values(value):
-    """A scalar tensor of every rank, in rank order, as a CPU float tensor (float64: exact)."""
-    value = value.detach().reshape(1).double()
-    if get_world_size() < 2:
-        return value.cpu()
-    parts = [torch.zeros_like(value) for _ in range(get_world_size())]
-    dist.all_gather(parts, value)
-    return torch.cat(parts).cpu()
+def agree(ok, device):
+    """True on every rank when ``ok`` is true on every rank (one all-reduce on ``device``)."""
+    return float(all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=device))) == 0.0
 
 
 def gather_objects(obj):

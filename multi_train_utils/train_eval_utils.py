@@ -217,7 +217,7 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
         if step == save.at:
             position = batches.position_after(step + 1, first_step, loss_count=shown.losses_summed(step + 1),
                                               run_seconds=state.clock.seconds(), epoch_seconds=clock.seconds())
-            checkpoints.save(state, position, loss_sum, save.notice)  # at a notice: raises Preempted after it
+            checkpoints.save(position, loss_sum, save.notice)  # at a notice: raises Preempted after it
             save.at = None
     progress.close()
     state.position = None  # the next epochs are whole

@@ -365,7 +365,7 @@ def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
     now[0] += 0.5
     assert saves.flags() == [1.0, 0.0] and never.flags() == [0.0, 0.0]
     position = EpochPosition(epoch=0, done=4, end=36, order_world_size=1, step=2, train_images=36)
-    assert saves.save(None, position, torch.tensor(3.0), notice=False)
+    assert saves.save(position, torch.tensor(3.0), notice=False)
     assert written == [position] and position.loss_sums == [3.0]
     assert saves.flags() == [0.0, 0.0]  # the clock starts again at the save
     now[0] += 119.0
