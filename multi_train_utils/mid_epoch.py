@@ -80,9 +80,10 @@ class MidEpochCheckpoints:
                        f"({notice_name()}), and saved the checkpoint")
         return True
 
-    def stop_if_noticed(self, device):
+    def stop_if_noticed(self, model=None):
         """After an epoch's checkpoint: every rank stops if any received a notice (one
-        all-reduce an epoch, on ``device``)."""
+        all-reduce an epoch, on the device of ``model``)."""
+        device = next(model.parameters()).device if model is not None else torch.device("cpu")
         if not agree(notice_received() is None, device):
             self._stop(f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()})")
 

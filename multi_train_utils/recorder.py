@@ -198,8 +198,7 @@ class RunRecorder:
             self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
         self.checkpoints.saved()
         if epoch + 1 < self.args.epochs and not state.stop_reason:
-            # a preemption notice during the epoch's end: stop now (agreed on the model's device)
-            self.checkpoints.stop_if_noticed(next(state.model.parameters()).device)
+            self.checkpoints.stop_if_noticed(state.model)  # a preemption notice during the epoch's end: stop now
 
     def _save_epoch(self, epoch, train_stats, eval_result, ema_result, source, seconds):
         """Rank 0's files of ``epoch``: its metrics row, TensorBoard, checkpoint.pth, model-{epoch}.pth,
