@@ -1,5 +1,6 @@
 """User-facing errors: one clear line and a non-zero exit, never a traceback."""
 import errno
+import gc
 import os
 import re
 import sys
@@ -172,25 +173,38 @@ def run_cli(main, argv=None):
     1; Ctrl-C / SIGTERM one line on how to resume (rank 0) and exit code 128 + the signal number
     (75 after a preemption notice's save); any other error its traceback. On every way out, this
     process's loader workers are ended first: an error's traceback keeps the loader alive, and
-    Python's exit would wait for its workers."""
+    Python's exit would wait for its workers. Then what the run built is freed while the
+    interpreter is whole: a model left in a reference cycle, or in the handled error's
+    traceback, would otherwise be torn down during the interpreter's exit, and DDP's process
+    group with it (gloo then aborts the process now and then: "terminate called ...")."""
+    try:
+        code = _exit_code(main, argv)
+    finally:
+        end_loader_workers()
+    gc.collect()  # the handled error and its frames are gone by now; cycles go here
+    if code:
+        sys.exit(code)
+
+
+def _exit_code(main, argv):
+    """``main(argv)``'s exit code, its error reported as run_cli says; other errors raised."""
     try:
         main(argv)
+        return 0
     except UserError as e:
         report_error(e)
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except TrainingInterrupted as e:  # also signals.Preempted: saved, exit code 75
         if e.report():
             print(f"\n{e.report()}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        return e.exit_code
     except Exception as e:
         fault = resource_error(e)
         if fault is not None:
             report_error(fault)
-            sys.exit(EXIT_USER_ERROR)
+            return EXIT_USER_ERROR
         message = _collective_failure(e)
         if message is None:
             raise
         report_error(RankError(message))
-        sys.exit(1)
-    finally:
-        end_loader_workers()
+        return 1

@@ -2,6 +2,7 @@
 import contextlib
 import os
 import time
+import weakref
 
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
@@ -70,8 +71,11 @@ class RunRecorder:
                           f"-{os.getpid()}")
         self.writer = None
         self.resume_lines = []  # where a resumed run goes on: the start summary prints them
-        self.checkpoints = MidEpochCheckpoints(args.checkpoint_every, self._save_inside_epoch, hint=resume_hint(args),
-                                               requeue=args.requeue)
+        # A weak reference back to this recorder: a cycle would keep the model (and DDP's process
+        # group) alive after the run, to be torn down while the interpreter exits.
+        save_inside_epoch = weakref.WeakMethod(self._save_inside_epoch)
+        self.checkpoints = MidEpochCheckpoints(args.checkpoint_every, lambda position: save_inside_epoch()(position),
+                                               hint=resume_hint(args), requeue=args.requeue)
         self.position = checkpoint["position"] if checkpoint else None  # inside the epoch of the checkpoint
         arm_notices()  # from now on SIGTERM and SIGUSR1 save, then stop
         if not self.enabled:

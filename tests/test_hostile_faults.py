@@ -194,6 +194,48 @@ def test_exhausted_memory_is_one_line_suggesting_smaller_batches_or_images(capsy
     assert code == "escaped: RuntimeError: a bug"  # other errors are not dressed up as these
 
 
+def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_before_the_exit(capsys):
+    """What a run leaves in a reference cycle, or in the traceback of the error run_cli
+    handled (a stop after a notice's save, bad input), is freed before run_cli returns or
+    exits: a DDP model torn down by the interpreter's exit takes gloo down with it now and then
+    (SIGABRT, "terminate called without an active exception")."""
+    import gc
+    import weakref
+
+    from multi_train_utils.signals import Preempted
+
+    class Model:
+        pass
+
+    left = []
+
+    def built(argv):
+        model = Model()
+        model.itself = model  # a cycle: refcounting alone never frees it
+        left.append(weakref.ref(model))
+        return model
+
+    def finishes(argv):
+        built(argv)
+
+    def stops(argv):
+        model = built(argv)  # noqa: F841 - in the frame that the error's traceback holds
+        raise Preempted("stopped and saved")
+
+    def refuses(argv):
+        model = built(argv)  # noqa: F841
+        raise UserError("--data-path x: no such folder")
+
+    gc.disable()  # the collector never runs by itself here
+    try:
+        codes = [cli_result(main, capsys)[0] for main in (finishes, stops, refuses)]
+        alive = [ref() is not None for ref in left]
+    finally:
+        gc.enable()
+    assert codes == [0, 75, 2]
+    assert alive == [False, False, False]
+
+
 def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path):
     from multi_train_utils.recorder import RunRecorder
 

@@ -92,9 +92,12 @@ def test_sigusr1_to_one_rank_saves_every_rank_at_the_same_step_and_the_resume_eq
     signal_step = 1  # epoch 1's second step (rank 1's step 10 of its life)
     stopped = run(torchrun(*train_args(tiny_data, out, *RECIPE, "--requeue", "--resume", "auto")),
                   env={"PROBE_OUT": f"{out}.probe", "PROBE_SIGNAL": f"SIGUSR1:{DDP_STEPS + signal_step}:self:1",
-                       "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "77"})
+                       "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "77",
+                       "PROBE_GC_OFF": "1"})
     records = probe_records(f"{out}.probe", 2)
     assert [r["exit_code"] for r in records] == [75, 75], stopped.stdout + stopped.stderr
+    # the stop's error is dropped before the exit, with the DDP model (and its process group) that its frames held
+    assert [r["ddp_at_exit"] for r in records] == [0, 0]
     assert f"stopped at epoch 1, step {expected_stop_step(signal_step)} on a preemption notice (received by another " \
         "process), and saved the checkpoint" in stopped.stderr and "--resume auto" in stopped.stderr
     checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
@@ -120,9 +123,13 @@ def test_sigusr1_to_one_rank_saves_every_rank_at_the_same_step_and_the_resume_eq
     assert len(trained_after) == 36 - steps_done * 4
     assert Counter(trained_before + trained_after) == Counter(whole_epoch)  # none twice, none skipped
     # the same world size: torchrun again, --resume auto
-    resumed = run(torchrun(*train_args(tiny_data, out, *RECIPE, "--resume", "auto")))
+    resumed = run(torchrun(*train_args(tiny_data, out, *RECIPE, "--resume", "auto")),
+                  env={"PROBE_OUT": f"{out}.resumed", "PROBE_GC_OFF": "1"})
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"inside epoch 1: {steps_done * 4} of its 36 training images done" in resumed.stdout
+    # no reference cycle keeps the DDP model past main(): its process group goes with it, not at
+    # the interpreter's exit (where gloo's teardown aborts now and then)
+    assert [(r["ddp_after_main"], r["ddp_at_exit"]) for r in probe_records(f"{out}.resumed", 2)] == [(0, 0)] * 2
     assert_same_run(out, straight("ddp"))
 
 

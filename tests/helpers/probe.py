@@ -30,6 +30,9 @@ Environment:
                   peer is gone); the clean-up's bound becomes 2 s
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
   PROBE_STEP_SLEEP seconds to sleep in every training step (to stop a run mid-way)
+  PROBE_GC_OFF    "1": the cyclic garbage collector never runs by itself (as in a run that
+                  ends before it does): record how many DDP models are left when main()
+                  returns ("ddp_after_main") and when run_cli is done ("ddp_at_exit")
   PROBE_SIGNAL    "NAME:STEP:TO[:RANK]": when training step STEP (counted over the process's
                   life, from 0) begins, send signal NAME (SIGTERM, SIGUSR1, SIGKILL...) to
                   TO: "launcher" (this process's parent, e.g. torchrun, from rank 0) or "self"
@@ -336,11 +339,29 @@ def exit_recorded(code):
 
 os._exit = exit_recorded
 
+main = target.main
+if os.environ.get("PROBE_GC_OFF") == "1":
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    def ddp_models():
+        # by type: isinstance asks some objects' classes, and deprecated ones warn
+        return sum(issubclass(type(o), DistributedDataParallel) for o in gc.get_objects())
+
+    def main_counting(argv):
+        target.main(argv)
+        record["ddp_after_main"] = ddp_models()
+
+    main = main_counting
+    gc.disable()
 try:
-    run_cli(target.main, sys.argv[2:])
+    run_cli(main, sys.argv[2:])
     record["exit_code"] = 0
 except SystemExit as e:  # run_cli's exit code: 2 for bad input, 128 + N for signal N, ...
     record["exit_code"] = e.code
     raise
 finally:
+    if os.environ.get("PROBE_GC_OFF") == "1":
+        record["ddp_at_exit"] = ddp_models()
     write_record()
