@@ -226,10 +226,12 @@ def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_befo
         model = built(argv)  # noqa: F841
         raise UserError("--data-path x: no such folder")
 
+    codes, alive = [], []
     gc.disable()  # the collector never runs by itself here
     try:
-        codes = [cli_result(main, capsys)[0] for main in (finishes, stops, refuses)]
-        alive = [ref() is not None for ref in left]
+        for main in (finishes, stops, refuses):
+            codes.append(cli_result(main, capsys)[0])
+            alive.append(left[-1]() is not None)  # before the next run_cli, which collects too
     finally:
         gc.enable()
     assert codes == [0, 75, 2]
