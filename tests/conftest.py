@@ -156,7 +156,8 @@ def subprocess_env(extra=None):
     """This environment without any launcher's variables, with no network, deprecations as
     errors (DEPRECATIONS_AS_ERRORS), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO, PYTHONWARNINGS=",".join(DEPRECATIONS_AS_ERRORS), **NO_NETWORK)
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO, PYTHONWARNINGS=",".join(DEPRECATIONS_AS_ERRORS), **NO_NETWORK,
+               PYTHONFAULTHANDLER="1")  # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack
     env.update(extra or {})
     return env
 
@@ -174,6 +175,30 @@ def pids_of_tree(pid):
             except OSError:
                 pass
     return found
+
+
+def dump_stacks_then_kill_tree(pid):
+    """A hung run: its processes print their threads' Python stacks (PYTHONFAULTHANDLER, on
+    SIGABRT) into the run's output; then the tree is killed."""
+    import signal
+    import time
+
+    for p in pids_of_tree(pid):
+        try:
+            os.kill(p, signal.SIGABRT)
+        except OSError:
+            pass
+    time.sleep(3)
+    kill_tree(pid)
+
+
+class TimeoutExpiredWithStacks(subprocess.TimeoutExpired):
+    """A run's time-out whose message ends with the end of its output: the stacks of where
+    its processes hung."""
+
+    def __str__(self):
+        tail = "\n".join(str(part or "")[-6000:] for part in (self.stdout, self.stderr))
+        return f"{super().__str__()}; the end of its output and stacks:\n{tail}"
 
 
 def kill_tree(pid):
@@ -290,13 +315,13 @@ class ScriptProcess:
                 stdout, stderr = self.proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
                 return self.proc.returncode, stdout, stderr, False
             except subprocess.TimeoutExpired:
-                kill_tree(self.pid)
+                dump_stacks_then_kill_tree(self.pid)
                 stdout, stderr = self.proc.communicate()
                 return self.proc.returncode, stdout, stderr, True
         timed_out = False
         while not os.path.exists(self.paths["rc"]):
             if not timed_out and time.monotonic() > deadline:
-                kill_tree(self.pid)
+                dump_stacks_then_kill_tree(self.pid)
                 timed_out = True
             time.sleep(0.01)
         encoding = locale.getpreferredencoding(False)
@@ -335,7 +360,7 @@ def run_ranks(world_size, cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
     results = [rank.finish(deadline) for rank in ranks]
     stdout, stderr = results[0][1], "".join(r[2] for r in results)
     if any(r[3] for r in results):
-        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        raise TimeoutExpiredWithStacks(cmd, timeout, stdout, stderr)
     code = next((r[0] for r in results if r[0] != 0), 0)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
@@ -348,7 +373,7 @@ def run(cmd, timeout=RUN_TIMEOUT, env=None, cwd=REPO):
 
     code, stdout, stderr, timed_out = ScriptProcess(cmd, env, cwd).finish(time.monotonic() + timeout)
     if timed_out:
-        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        raise TimeoutExpiredWithStacks(cmd, timeout, stdout, stderr)
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
