@@ -190,6 +190,14 @@ def test_exhausted_memory_is_one_line_suggesting_smaller_batches_or_images(capsy
         chained = e
     assert cli_result(raising(chained), capsys) == (
         2, "error: disk full: could not write /runs/events.out (No space left on device); free space on that disk\n")
+    # The raw errors themselves, not RuntimeErrors: Python's MemoryError, an OSError of a full
+    # disk or a quota met by a writer of ours or of a library's
+    assert cli_result(raising(MemoryError()), capsys) == (
+        2, f"error: out of memory: could not allocate a block; {advice}\n")
+    assert cli_result(raising(OSError(errno.ENOSPC, "No space left on device", "/runs/a.png")), capsys) == (
+        2, "error: disk full: could not write /runs/a.png (No space left on device); free space on that disk\n")
+    assert cli_result(raising(OSError(errno.EDQUOT, "Disk quota exceeded", "/runs/b.csv")), capsys) == (
+        2, "error: disk full: could not write /runs/b.csv (Disk quota exceeded); free space on that disk\n")
     code, _ = cli_result(raising(RuntimeError("a bug")), capsys)
     assert code == "escaped: RuntimeError: a bug"  # other errors are not dressed up as these
 
