@@ -413,6 +413,14 @@ def read_metrics(output_dir):
         return list(csv.DictReader(f))
 
 
+TIMING_COLUMNS = ("images_per_second", "epoch_seconds", "run_seconds")
+
+
+def metrics_without_timing(output_dir):
+    """metrics.csv's rows without the columns that measure time: what two equal runs share."""
+    return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in read_metrics(output_dir)]
+
+
 def top1_line(stdout):
     lines = [l for l in stdout.splitlines() if l.strip()]
     assert lines, "no output"

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import time
 from argparse import Namespace
@@ -20,8 +19,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (PYTHON, REPO, TORCHRUN, free_port, full_flags, kill_tree, read_metrics, run, script,
-                      subprocess_env)
+from conftest import (PYTHON, REPO, TORCHRUN, free_port, full_flags, kill_tree, metrics_without_timing, read_metrics,
+                      run, script, subprocess_env)
 from multi_train_utils.multi_label import MultiLabelLoss, positive_weights
 from multi_train_utils.multi_label_metrics import MultiLabelResult, average_precision, best_f1_threshold
 
@@ -374,11 +373,6 @@ def straight(lists, tmp_path_factory):
     return get
 
 
-def metric_rows(out):
-    timing = {"images_per_second", "epoch_seconds", "run_seconds"}
-    return [{k: v for k, v in row.items() if k not in timing} for row in read_metrics(out)]
-
-
 def test_a_run_fills_the_multi_label_columns_and_keeps_the_best_epochs_thresholds(straight, lists):
     out, result = straight("ddp")
     rows = read_metrics(out)
@@ -559,7 +553,7 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
     resumed = run(train_command(kind, lists, out, "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"(epoch {saved} done): epochs {saved + 1} to 2" in resumed.stdout
-    assert metric_rows(out) == metric_rows(reference)
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
     final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
     for key in expected:
         torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)

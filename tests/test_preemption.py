@@ -15,8 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import (FAST, PROBE, PYTHON, TORCHRUN, free_port, parse_flags, probe_records, read_metrics, run,
-                      train_args)
+from conftest import (FAST, PROBE, PYTHON, TORCHRUN, free_port, metrics_without_timing, parse_flags, probe_records,
+                      read_metrics, run, train_args)
 
 # 36 training images; batch 2: 9 steps an epoch at world size 2, 18 in one process.
 # --print-freq 3 with --accum-steps 2: the check at step 2 falls on the first micro-batch of
@@ -24,7 +24,6 @@ from conftest import (FAST, PROBE, PYTHON, TORCHRUN, free_port, parse_flags, pro
 RECIPE = ["--epochs", "2", "--batch-size", "2", "--workers", "1", "--print-freq", "3", "--accum-steps", "2",
           "--mixup-alpha", "0.4", "--model-ema", "--model-ema-decay", "0.9", "--sampler", "balanced"]
 DDP_STEPS = 9
-NOT_TIMING = ("images_per_second", "epoch_seconds", "run_seconds")
 
 
 def torchrun(*flags, restarts=0):
@@ -32,13 +31,9 @@ def torchrun(*flags, restarts=0):
             "multi", *flags]
 
 
-def rows_without_timing(out):
-    return [{k: v for k, v in row.items() if k not in NOT_TIMING} for row in read_metrics(out)]
-
-
 def assert_same_run(out, reference, epochs=2):
     """The same metrics rows (timing aside), final weights and EMA (1e-6) as ``reference``."""
-    assert rows_without_timing(out) == rows_without_timing(reference)
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
     for name in (f"model-{epoch}.pth" for epoch in range(epochs)):  # the epoch before the stop's kept too
         got, expected = (torch.load(d / name, weights_only=True) for d in (out, reference))
         for key in expected:

@@ -19,8 +19,8 @@ from PIL import Image
 from torch import nn
 
 import export
-from conftest import (FAST, MODEL, PROBE, PYTHON, outcome, probe_records, read_metrics, run, run_ranks, script,
-                      train_args)
+from conftest import (FAST, MODEL, PROBE, PYTHON, metrics_without_timing, outcome, probe_records, read_metrics, run,
+                      run_ranks, script, train_args)
 
 # --- 12 classes: every index keeps its own name in predict.py, export.py and --eval-only ----------
 
@@ -200,11 +200,7 @@ def test_both_scripts_build_the_same_recipe_from_the_same_flags(tiny_data, seede
         assert loss["class_weights"] == pytest.approx([36 / (5 * n) for n in counts]), name
         assert seeded_runs[name][2][0]["steps"] == 2 * 9
     single, multi = (seeded_runs[name][0] for name in ("single", "multi"))
-
-    def columns(rows):  # everything but the speed
-        return [{k: v for k, v in r.items() if k not in ("images_per_second", "epoch_seconds", "run_seconds")} for r in rows]
-
-    assert columns(read_metrics(single)) == columns(read_metrics(multi))
+    assert metrics_without_timing(single) == metrics_without_timing(multi)
     assert read_metrics(single)[0]["ema_val_accuracy"] != ""
     a, b = (torch.load(d / "checkpoint.pth", weights_only=True) for d in (single, multi))
     for key in a["model"]:

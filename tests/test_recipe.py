@@ -2,7 +2,6 @@
 class weights and the balanced sampler, --best-metric and --patience; each exact under DDP
 and on resume. Expected values are computed here by hand, not by the code under test."""
 import json
-import math
 import os
 import time
 
@@ -10,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, probe_records, read_metrics, run,
-                      run_ranks, script, train_args)
+from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, metrics_without_timing, probe_records,
+                      read_metrics, run, run_ranks, script, train_args)
 
 from multi_train_utils.checkpoint import BestEpoch, TrainState
 from conftest import full_flags  # noqa: E402
@@ -472,11 +471,7 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
     resumed = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
                    *flags, "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-
-    def columns(rows):  # everything but the speed
-        return [{k: v for k, v in r.items() if k not in ("images_per_second", "epoch_seconds", "run_seconds")} for r in rows]
-
-    assert columns(read_metrics(out)) == columns(read_metrics(straight))
+    assert metrics_without_timing(out) == metrics_without_timing(straight)
     final, expected = (torch.load(d / "checkpoint.pth", weights_only=True) for d in (out, straight))
     for part in ("model", "ema"):
         mine = final["model"] if part == "model" else final["model_ema"]["weights"]
