@@ -361,3 +361,24 @@ def test_resume_auto_finds_the_previous_checkpoint_where_it_is_the_only_one(tmp_
     os.remove(tmp_path / ckpt.CHECKPOINT)  # a run that resumed from the previous one and set the other aside
     path, checkpoint = ckpt.find_resume_checkpoint("auto", str(tmp_path))
     assert path == str(tmp_path / ckpt.PREVIOUS_CHECKPOINT) and checkpoint["epoch"] == 4
+
+
+def test_a_run_that_hangs_is_ended_with_its_python_stack_in_the_failure(tmp_path):
+    """The suite's guard against a hang: at the time-out the run's processes get SIGABRT and,
+    with PYTHONFAULTHANDLER, print where they were; the failure's message ends with it."""
+    import subprocess
+    import time
+
+    from conftest import PYTHON, run
+
+    hanging = tmp_path / "hangs_here.py"
+    hanging.write_text("import time\n\n\ndef waits_for_ever():\n    time.sleep(600)\n\n\nwaits_for_ever()\n")
+    started, error = time.monotonic(), None
+    try:
+        run([PYTHON, str(hanging)], timeout=3)
+    except subprocess.SubprocessError as e:
+        error = e
+    assert error is not None and time.monotonic() - started < 60
+    message = str(error)
+    assert "timed out after 3 seconds" in message and "Fatal Python error: Aborted" in message
+    assert f'File "{hanging}", line 5 in waits_for_ever' in message
