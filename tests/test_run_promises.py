@@ -133,17 +133,22 @@ def test_the_start_summary_says_where_the_outputs_and_this_runs_tensorboard_fold
     assert f"TensorBoard: {os.path.join('tb', 'pets-20990101-000000-42')}; view with: tensorboard --logdir tb" in lines
 
 
-def test_cudnns_autotuner_and_tf32_are_on_for_cuda_devices_only(monkeypatch):
+def test_cudnns_autotuner_and_tf32_are_on_for_cuda_devices_only():
     """guarantees.md: "On GPUs, cuDNN's autotuner (on for speed) may pick other kernels after a
     restart"; configure_backends turns it (and TF32) on for a CUDA device, and leaves a CPU run's
     settings alone. No GPU is needed: these are flags of torch.backends."""
     from multi_train_utils.performance import configure_backends
 
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    configure_backends(torch.device("cpu"))
-    assert not torch.backends.cudnn.benchmark and not torch.backends.cuda.matmul.allow_tf32
-    configure_backends(torch.device("cuda", 1))
-    assert torch.backends.cudnn.benchmark
-    assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    # saved and put back by hand: matmul's flags live behind a __getattr__, which pytest 9.2's
+    # monkeypatch takes for no attribute (and fails to delete at its undo)
+    saved = cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32
+    try:
+        cudnn.benchmark = cudnn.allow_tf32 = matmul.allow_tf32 = False
+        configure_backends(torch.device("cpu"))
+        assert not cudnn.benchmark and not matmul.allow_tf32
+        configure_backends(torch.device("cuda", 1))
+        assert cudnn.benchmark
+        assert cudnn.allow_tf32 and matmul.allow_tf32
+    finally:
+        cudnn.benchmark, cudnn.allow_tf32, matmul.allow_tf32 = saved
