@@ -14,7 +14,7 @@ import torch
 
 from multi_train_utils.epoch_position import EpochPosition
 from multi_train_utils.errors import UserError, one_line
-from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
+from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, NUMBER_OR_NULL, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
                                     TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, link_atomic, safe_load,
                                     save_atomic)
 
@@ -25,7 +25,7 @@ CHECKPOINT_FIELDS = {"model": STATE_DICT, "optimizer": MAPPING, "epoch": WHOLE_N
                      "args": MAPPING, "metrics": ROWS, "best_accuracy": NUMBER, "best_epoch": WHOLE_NUMBER,
                      "best_confusion": TENSOR_OR_NULL, "log_dir": TEXT_OR_NULL, "world_size": WHOLE_NUMBER,
                      "scaler": MAPPING_OR_NULL, "rng": MAPPING, "model_ema": MAPPING_OR_NULL,
-                     "best_value": NUMBER, "best_source": TEXT, "stopped_early": TEXT_OR_NULL,
+                     "best_value": NUMBER_OR_NULL, "best_source": TEXT, "stopped_early": TEXT_OR_NULL,
                      "best_report": MAPPING_OR_NULL, "position": MAPPING_OR_NULL, "run_seconds": NUMBER}
 # Flags a resume must repeat, with the value a checkpoint without them was trained with:
 # another optimizer or other parameter groups cannot take the saved optimizer state, and
@@ -123,10 +123,12 @@ def resumes_in(resume_path, output_dir):
 
 
 def rng_state():
-    """Random number generator states, as tensors and plain types (weights_only loads them)."""
+    """Random number generator states, as tensors and plain types (weights_only loads them):
+    the CPU's, Python's, and the one of the GPU this process uses ("cuda_device"), which a
+    resume puts back on the GPU it uses, whatever GPUs are visible then."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -269,8 +271,10 @@ def restore_rng(rng):
         torch.set_rng_state(rng["torch"])
     if "python" in rng:
         random.setstate(_as_tuple(rng["python"]))
-    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "cuda_device" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda_device"], torch.cuda.current_device())
+    elif "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])  # a checkpoint of an earlier version: every visible GPU's
 
 
 def _as_tuple(value):

@@ -9,7 +9,7 @@ from collections import Counter
 from functools import partial
 from typing import Dict, List, NamedTuple
 
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import UserError, printable
 from multi_train_utils.images import IMG_EXTENSIONS, find_image_files, list_entries, no_file_at, unreadable_reason
 
 
@@ -211,6 +211,19 @@ def _label_names(cell, header, multi_label, where):
     return names
 
 
+def check_utf8_text(path, flag, what):
+    """A text file saved as UTF-16 or UTF-32 (a spreadsheet's "Unicode text": NUL bytes in
+    every line) is refused in one line, before its bytes are read as UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(4096)
+    except OSError:
+        return  # the reader that follows says what is wrong
+    if b"\x00" in start:
+        kind = "UTF-16" if start[:2] in (b"\xff\xfe", b"\xfe\xff") else "UTF-16 or UTF-32"
+        raise UserError(f"{flag} {printable(path)}: saved as {kind} text (NUL bytes); save it as UTF-8, {what}")
+
+
 def _read_label_file(path, flag, multi_label=False):
     """[(image path, class names, line number)] of a CSV with a header ``path,label`` or
     ``path,labels`` (see ``_label_names``); image paths relative to the CSV's folder. A missing
@@ -218,6 +231,7 @@ def _read_label_file(path, flag, multi_label=False):
     header_text = "path,labels" if multi_label else "path,label"
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file; give a CSV file with the header {header_text}")
+    check_utf8_text(path, flag, f"a CSV file with the header {header_text}")
     folder = os.path.dirname(os.path.abspath(path))
     rows, seen = [], {}
     try:

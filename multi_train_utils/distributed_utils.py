@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.errors import UserError, run_cli
+from multi_train_utils.errors import RankError, UserError, run_cli
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized
 from multi_train_utils.signals import die_with_launcher
 
@@ -63,10 +63,18 @@ def expand_slurm_hostlist(hostlist):
     return hosts
 
 
-def _first_int(text, default):
-    """Leading integer of a SLURM count such as '4(x2)'."""
-    match = re.match(r"\d+", text or "")
-    return int(match.group()) if match else default
+def tasks_on_node(text, node, default=1):
+    """The tasks on node ``node`` (0, 1, ... in the step's node order) of a SLURM count list such
+    as '2(x3),1' (3 nodes of 2 tasks, then one of 1); ``default`` where it says nothing."""
+    counts = []
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?", text or ""):
+        counts += [int(count)] * int(repeat or 1)
+    return counts[node] if node < len(counts) else (counts[-1] if counts else default)
+
+
+# MASTER_PORT derived from a SLURM job id: below Linux's ephemeral ports (32768 and up), which
+# the kernel hands out to outgoing connections and could already be taken.
+SLURM_PORTS = range(15000, 32000)
 
 
 def read_dist_env(local_rank_arg=None):
@@ -90,7 +98,8 @@ def read_dist_env(local_rank_arg=None):
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         local_rank = int(env.get("SLURM_LOCALID", 0))
-        local_world_size = _first_int(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), 1)
+        node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+        local_world_size = tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE"), node)
         if "MASTER_ADDR" not in env:
             nodes = expand_slurm_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or "")
             master = nodes[0] if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR")
@@ -102,7 +111,8 @@ def read_dist_env(local_rank_arg=None):
             env["MASTER_ADDR"] = master
         if "MASTER_PORT" not in env:  # two steps of one job running at once get different ports
             step = int(env.get("SLURM_STEP_ID", "0")) if env.get("SLURM_STEP_ID", "").isdigit() else 0
-            env["MASTER_PORT"] = str(15000 + (int(env.get("SLURM_JOB_ID", "0")) + 1000 * step) % 20000)
+            job = int(env.get("SLURM_JOB_ID", "0")) + 1000 * step
+            env["MASTER_PORT"] = str(SLURM_PORTS[job % len(SLURM_PORTS)])
         env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                    LOCAL_WORLD_SIZE=str(local_world_size))
         return DistEnv(rank, world_size, local_rank, local_world_size, launcher="slurm")
@@ -391,7 +401,13 @@ def check_on_every_rank(check, device):
         result = check()
     except UserError as e:
         error = e
-    failed = all_reduce_sum(torch.tensor([int(error is not None)], device=device))
+    world_size = get_world_size()
+    failed_ranks = torch.zeros(world_size, dtype=torch.int64, device=device)
+    failed_ranks[dist.get_rank() if world_size > 1 else 0] = int(error is not None)
+    all_reduce_sum(failed_ranks)
+    failed = failed_ranks.sum()
+    if error is not None and world_size > 1 and not failed_ranks[0] and not error.rank_specific:
+        raise RankError(str(error))  # rank 0 found nothing: this rank prints its own line
     if error is not None:
         raise error
     if failed.item():

@@ -133,11 +133,13 @@ class EpochBatchSampler(Sampler):
 
     def first_step(self):
         """The number of this epoch's first step: 0, or after a resume the steps of this world
-        size that the trained positions make (exact at the checkpoint's world size)."""
+        size and batch size that the trained positions make (the checkpoint's own count where
+        its steps were of this size; the schedule goes on from it)."""
         position = self.resumed()
         if position is None:
             return 0
-        if position.order_world_size == self.world_size:
+        if position.order_world_size == self.world_size and \
+                position.done == position.step * self.batch_size * self.world_size:
             return position.step
         return max(0, self.full_steps - len(self))
 

@@ -167,6 +167,23 @@ def _collective_failure(error):
     return None
 
 
+def loader_failure(error):
+    """One line for a data loader whose worker died or hung (torch's RuntimeError), else None."""
+    text = str(error)
+    if not isinstance(error, RuntimeError):
+        return None
+    hung = re.search(r"DataLoader timed out after ([\d.]+) seconds", text)
+    if hung:
+        return (f"a data loader's worker gave no batch in {float(hung.group(1)):g} s: it hangs (a file system that stopped "
+                "answering?); check the data's disk, or run with --workers 0 to load in the process itself")
+    died = re.search(r"DataLoader worker \(pids?\(?s?\)? ?([\d, ]+)\)? (?:is )?(exited unexpectedly|killed by signal: "
+                     r"[^.]*)", text)
+    if died:
+        return (f"a data loader's worker (pid {died.group(1).strip()}) ended: {died.group(2).strip()} (the "
+                "out-of-memory killer, or a crash); use fewer --workers, or --workers 0 to see its error")
+    return None
+
+
 def run_cli(main, argv=None):
     """Run an entry script's ``main(argv)``: a UserError, a full disk or exhausted memory
     becomes one line and exit code 2; a collective that lost its peer one line and exit code
@@ -203,7 +220,7 @@ def _exit_code(main, argv):
         if fault is not None:
             report_error(fault)
             return EXIT_USER_ERROR
-        message = _collective_failure(e)
+        message = loader_failure(e) or _collective_failure(e)
         if message is None:
             raise
         report_error(RankError(message))

@@ -15,6 +15,7 @@ import tempfile
 import torch
 
 from multi_train_utils.errors import UserError, disk_full_error, printable
+from multi_train_utils.signals import hold_stops
 
 
 def _atomic_write(path, write, before_replace=None):
@@ -29,14 +30,15 @@ def _atomic_write(path, write, before_replace=None):
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes owner-only files; use the usual mode
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace()
-        os.replace(tmp, path)
+        with hold_stops():  # Ctrl-C during the write: raised once the file is in place
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes owner-only files; use the usual mode
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if before_replace is not None:
+                before_replace()
+            os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -217,6 +219,7 @@ WHOLE_NUMBER = (_is_whole, "a whole number")
 WHOLE_NUMBER_OR_NULL = (lambda v: v is None or _is_whole(v), "a whole number or null")
 FLAG = (lambda v: isinstance(v, bool), "true or false")
 NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+NUMBER_OR_NULL = (lambda v: v is None or NUMBER[0](v), "a number or null")
 TEXT = (lambda v: isinstance(v, str), "a string")
 TEXT_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")
 MAPPING = (lambda v: isinstance(v, dict), "a dict")

@@ -39,28 +39,52 @@ def read_inputs(args, build_datasets, device):
 
     Every rank of a job checks the same input; if any finds a problem, all stop (the others
     with a line that points to its error), and they must agree on the checkpoint to resume.
+    The checks come in three steps, each ended by the same all-reduce on every rank: a rank
+    that refuses in one step never meets the others in another step's collective (the data's
+    listing broadcasts from rank 0, see ``file_list.listed_once``).
     """
     job = current_job()
     local_rank, world_size, main = job.local_rank if job else 0, get_world_size(), get_rank() == 0
-    inputs = check_on_every_rank(lambda: _read_inputs(args, build_datasets, local_rank, world_size, main), device)
-    check_same_on_every_rank(-1 if inputs.checkpoint is None else int(inputs.checkpoint["epoch"]), device,
+    # 1. the output folder, the checkpoint, the data made or downloaded: no collective inside
+    lock, resume_path, checkpoint = check_on_every_rank(lambda: _prepare(args, local_rank, world_size, main), device)
+    # 2. the datasets (a listing that rank 0 makes and broadcasts, and the checks of what they hold)
+    data = check_on_every_rank(lambda: load_data(args, build_datasets, local_rank, world_size, prepared=True), device)
+    # 3. the checkpoint against the data, and --weights
+    weights = check_on_every_rank(lambda: _check_resume_and_weights(args, data, resume_path, checkpoint, main),
+                                  device)
+    check_same_checkpoint(checkpoint, device)
+    return RunInputs(data, weights, resume_path, checkpoint, lock)
+
+
+def check_same_checkpoint(checkpoint, device):
+    """Every rank resumes from the same checkpoint (or none): the same epoch, and the same
+    images done inside the next one (a save inside epoch e + 1 has the epoch e of the save at
+    e's end); else every rank stops."""
+    check_same_on_every_rank(-1 if checkpoint is None else int(checkpoint["epoch"]), device,
                              "the checkpoint to resume from")
-    return inputs
+    position = (checkpoint or {}).get("position") or {}
+    check_same_on_every_rank(int(position.get("done", -1)), device,
+                             "the images done inside the epoch of the checkpoint to resume from (-1: none)")
 
 
-def _read_inputs(args, build_datasets, local_rank=0, world_size=1, main=True):
-    """read_inputs on one rank; ``main``: rank 0, which locks, warns and downloads weights."""
-    lock = lock_output_dir(args.output_dir) if main and not args.eval_only else None
+def _prepare(args, local_rank=0, world_size=1, main=True):
+    """Step 1 of read_inputs on one rank: (lock, resume path, checkpoint). ``main``: rank 0,
+    which locks and warns; local rank 0 makes --demo's data or downloads (``prepare_data``)."""
+    lock = lock_output_dir(args.output_dir) if main and not args.eval_only else None  # released at exit
     resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, main)
     if not args.eval_only:  # before --download or --demo fetch or write anything
         check_output_dir(args.output_dir, args.overwrite, resume_path)
-    data = load_data(args, build_datasets, local_rank, world_size)
+    prepare_data(args, local_rank, world_size)
+    return lock, resume_path, checkpoint
+
+
+def _check_resume_and_weights(args, data, resume_path, checkpoint, main=True):
+    """Step 3 of read_inputs: the checkpoint fits the data and the flags; --weights read (not when resuming)."""
     if checkpoint is not None:
         check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
         if main:
             warn_if_files_changed(checkpoint, resume_path, data)
-    weights = read_weights(args.weights, args.model, progress=main) if args.weights and not checkpoint else None
-    return RunInputs(data, weights, resume_path, checkpoint, lock)
+    return read_weights(args.weights, args.model, progress=main) if args.weights and not checkpoint else None
 
 
 FILE_LIST_VERSION = 2  # how file_list_fingerprint hashes (1: sorted lines of each file, before the compact list)
@@ -109,40 +133,23 @@ def warn_if_files_changed(checkpoint, path, data):
 
 def resume_hint(args):
     """What to tell a user whose run was interrupted."""
+    if args.eval_only:
+        return "the evaluation did not finish and wrote nothing; run the same command again"
     return (f"to continue from the last checkpoint (in {args.output_dir}/checkpoint.pth), "
             "run the same command with --resume auto")
 
 
-def load_data(args, build_datasets, local_rank=0, world_size=1):
-    """Generate or download the data if asked, build the datasets and check them against the
-    flags (and, for --eval-only, against the classes of the run that wrote --weights).
+def load_data(args, build_datasets, local_rank=0, world_size=1, prepared=False):
+    """Generate or download the data if asked (unless ``prepared``: done already, see
+    ``prepare_data``), build the datasets and check them against the flags (and, for
+    --eval-only, against the classes of the run that wrote --weights).
 
     Every rank runs this (it only reads), so every rank fails the same way on bad input.
     """
     # --eval-only: the data must have the classes in class_indices.json beside the weights
     expected_classes = read_run_classes(os.path.dirname(os.path.abspath(args.weights))) if args.eval_only else None
-    if args.demo:
-        if os.path.exists(args.data_path) and not os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
-            raise UserError(f"--demo --data-path {args.data_path}: that folder exists and is not demo data; "
-                            "drop --data-path (demo data goes to data/demo) or run without --demo")
-        if local_rank == 0:
-            make_demo_dataset(args.data_path)
-        else:
-            wait_for_folder(args.data_path)
-    if args.download:
-        marker = download_failure_marker(args.data_path)
-        if local_rank == 0:
-            for stale in glob.glob(glob.escape(marker.rsplit("-", 1)[0]) + "-*"):
-                os.remove(stale)
-            try:
-                download_flower_photos(args.data_path)
-            except UserError as e:
-                if world_size > 1:  # tell the other local ranks, which wait for the folder
-                    with open(marker, "w") as f:
-                        f.write(str(e))
-                raise
-        else:
-            wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
+    if not prepared:
+        prepare_data(args, local_rank, world_size)
     try:
         data = build_datasets(args)
     except OSError as e:  # a folder or file that build_datasets (yours, maybe) did not find
@@ -171,6 +178,32 @@ def load_data(args, build_datasets, local_rank=0, world_size=1):
             f"{len(data.train)} training images; use --batch-size {max(1, share)} or less"
         )
     return data
+
+
+def prepare_data(args, local_rank=0, world_size=1):
+    """--demo's data made, or --download's fetched, by local rank 0; the others wait for it."""
+    if args.demo:
+        if os.path.exists(args.data_path) and not os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
+            raise UserError(f"--demo --data-path {args.data_path}: that folder exists and is not demo data; "
+                            "drop --data-path (demo data goes to data/demo) or run without --demo")
+        if local_rank == 0:
+            make_demo_dataset(args.data_path)
+        else:
+            wait_for_folder(args.data_path)
+    if args.download:
+        marker = download_failure_marker(args.data_path)
+        if local_rank == 0:
+            for stale in glob.glob(glob.escape(marker.rsplit("-", 1)[0]) + "-*"):
+                os.remove(stale)
+            try:
+                download_flower_photos(args.data_path)
+            except UserError as e:
+                if world_size > 1:  # tell the other local ranks, which wait for the folder
+                    with open(marker, "w") as f:
+                        f.write(str(e))
+                raise
+        else:
+            wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
 
 
 def check_datasets(data, multi_label=False):

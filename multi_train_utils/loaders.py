@@ -72,6 +72,10 @@ class ShardSampler(Sampler):
 
 # Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
 MAX_VAL_WORKERS = 2
+# Seconds a loader waits for a worker's next batch before it gives up: a worker that hangs (a
+# dead network file system, a lock inherited through fork) ends the run with one line
+# (errors.loader_failure) instead of holding every rank forever. Far above any batch's time.
+WORKER_TIMEOUT_SECONDS = 600.0
 
 
 def stack_batch(batch):
@@ -93,6 +97,7 @@ def make_loader(dataset, batch_sampler, workers, device, validation=False):
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=persistent and workers > 0,
+        timeout=WORKER_TIMEOUT_SECONDS if workers > 0 else 0,
         collate_fn=stack_batch,
         worker_init_fn=reset_in_worker,
         # its own generator: creating the loader's iterator must not draw from the global

@@ -77,25 +77,32 @@ class MidEpochCheckpoints:
         self.saved()
         if notice:
             self._stop(f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice "
-                       f"({notice_name()}), and saved the checkpoint")
+                       f"({notice_name()}), and saved the checkpoint", loss_sum.device)
         return True
 
-    def stop_if_noticed(self, model=None):
-        """After an epoch's checkpoint: every rank stops if any received a notice (one
-        all-reduce an epoch, on the device of ``model``)."""
+    def after_epoch_save(self, error=None, model=None, notices=True):
+        """After an epoch's checkpoint, every rank, in one all-reduce (on the device of
+        ``model``): if rank 0's save failed (``error``), every rank raises (rank 0 its
+        ``error``); else, with ``notices``, every rank stops if any received a notice."""
         device = next(model.parameters()).device if model is not None else torch.device("cpu")
-        if not agree(notice_received() is None, device):
-            self._stop(f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()})")
+        wishes = [float(error is not None), float(notices and notice_received() is not None)]
+        failed, noticed = all_reduce_sum(torch.tensor(wishes, device=device)).tolist()
+        if failed:
+            if error is not None:
+                raise error
+            raise MidRunError("rank 0 could not write the epoch's checkpoint (its error says why)")
+        if noticed:
+            self._stop(f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()})", device)
 
-    def _stop(self, what):
-        """Rank 0 requeues the job (--requeue); every rank raises Preempted (rank 0 with ``what``
-        and how to continue)."""
+    def _stop(self, what, device):
+        """Rank 0 requeues the job (--requeue), then every rank raises Preempted (rank 0 with
+        ``what`` and how to continue). No rank exits before the requeue is done: under
+        ``srun --kill-on-bad-exit`` the first exit ends every task, scontrol with it."""
+        requeued = requeue_job() if self.requeue and is_main_process() else None
+        agree(True, device)  # every rank waits here for rank 0's scontrol
         if not is_main_process():
             raise Preempted(None)
-        lines = [f"{what}; {self.hint}"]
-        if self.requeue:
-            lines.insert(0, requeue_job())
-        raise Preempted("\n".join(lines))
+        raise Preempted("\n".join(line for line in (requeued, f"{what}; {self.hint}") if line))
 
 
 def notice_name():

@@ -52,7 +52,8 @@ class BatchMixer:
         channels_last = images.dim() == 4 and images.is_contiguous(memory_format=torch.channels_last) \
             and not images.is_contiguous()
         with torch.random.fork_rng(devices=[]):  # the draws are on the CPU generator only
-            torch.manual_seed(sample_seed(sample_seed(self.seed + _MIX_SALT, epoch, step), self.rank, 0))
+            # the CPU generator alone: torch.manual_seed would reseed every GPU's generator too
+            torch.default_generator.manual_seed(sample_seed(sample_seed(self.seed + _MIX_SALT, epoch, step), self.rank, 0))
             images, targets = self._mix_rows(images, labels) if self.multi_label else self.mix(images, labels)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)

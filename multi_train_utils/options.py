@@ -16,7 +16,7 @@ from multi_train_utils.run_files import read_run_args
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "multi_label")
+RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "multi_label", "amp")
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
@@ -323,8 +323,8 @@ def check_complete(args):
 
 
 def take_run_settings(args, given):
-    """For --eval-only: model, image size, data and split of the run that wrote --weights
-    (its args.json), unless given on the command line."""
+    """For --eval-only: model, image size, data and split, and the precision (--amp), of the
+    run that wrote --weights (its args.json), unless given on the command line."""
     run_dir = os.path.dirname(os.path.abspath(args.weights))
     run_args = read_run_args(run_dir)
     if run_args is None:

@@ -6,7 +6,7 @@ import weakref
 
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
-from multi_train_utils.errors import MidRunError, one_line, resource_error
+from multi_train_utils.errors import MidRunError, loader_failure, one_line, resource_error
 from multi_train_utils.balance import training_labels
 from multi_train_utils.files import cpu_tensors, link_atomic, save_atomic
 from multi_train_utils.multi_label import is_multi_hot, labels_per_image
@@ -161,6 +161,8 @@ class RunRecorder:
             yield
         except Exception as e:
             fault = e if isinstance(e, MidRunError) else resource_error(e)  # an image gone, a full disk, ...
+            if fault is None and loader_failure(e):  # a loader's worker died or hangs
+                fault = MidRunError(loader_failure(e))
             if fault is None:
                 raise
             raise type(fault)(f"{one_line(fault)}; {self.resume_advice()}") from None
@@ -196,13 +198,17 @@ class RunRecorder:
         source = self._update_best(epoch, eval_result, ema_result)
         state.stop_reason = self._patience_ran_out(epoch)
         self.position = None
+        error = None
         if self.enabled:
-            self._save_epoch(epoch, train_stats, eval_result, ema_result, source=source, seconds=seconds)
-        else:
-            self.saved_epoch = epoch  # as rank 0 does, for the advice of resume_advice
+            try:
+                self._save_epoch(epoch, train_stats, eval_result, ema_result, source=source, seconds=seconds)
+            except Exception as e:  # noqa: BLE001 - the others must learn of it (after_epoch_save), then it is raised
+                error = e
         self.checkpoints.saved()
-        if epoch + 1 < self.args.epochs and not state.stop_reason:
-            self.checkpoints.stop_if_noticed(state.model)  # a preemption notice during the epoch's end: stop now
+        # every rank: rank 0's save failed, or a preemption notice came during the epoch's end: stop now
+        self.checkpoints.after_epoch_save(error, state.model,
+                                          notices=epoch + 1 < self.args.epochs and not state.stop_reason)
+        self.saved_epoch = epoch  # every rank knows it now, for the advice of resume_advice
 
     def _save_epoch(self, epoch, train_stats, eval_result, ema_result, source, seconds):
         """Rank 0's files of ``epoch``: its metrics row, TensorBoard, checkpoint.pth, model-{epoch}.pth,

@@ -43,7 +43,8 @@ EPOCH_WEIGHTS = r"model-(0|[1-9][0-9]*)\.pth"
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
                       "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL, "images": MAPPING_OR_NULL,
-                      "multi_label": FLAG}
+                      "multi_label": FLAG, "amp": (lambda v: v in ("auto", "bf16", "fp16", "off"),
+                                                   "one of auto, bf16, fp16, off")}
 # What the run's images are (Datasets' channels, mean and std), in args.json under "images";
 # a run written before they were kept had RGB images normalised with ImageNet's.
 RGB_IMAGENET = {"channels": 3, "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}

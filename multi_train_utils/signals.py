@@ -16,6 +16,7 @@ collective returns, which can be never. So the handler itself only raises an exc
 process if the main thread has not finished unwinding after a grace period. Neither waits
 on a collective.
 """
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import threading
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a preemption notice, once the epochs run
 _notice = {"armed": False, "signum": None}
+_held = {"depth": 0, "signum": None, "message": None}  # a stop that waits for a file's write (hold_stops)
 
 
 def arm_notices():
@@ -80,12 +82,29 @@ class Preempted(TrainingInterrupted):
         return self.message
 
 
+@contextlib.contextmanager
+def hold_stops():
+    """Inside: a stop (Ctrl-C) waits until the block is done, then raises TrainingInterrupted.
+    Around a file's write: torch.save's writer, interrupted half-way, fails with an error of
+    its own instead of the interruption. The watchdog still ends a write that takes longer
+    than its grace (the file is written atomically: the old one stays)."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+    if _held["depth"] == 0 and _held["signum"] is not None:
+        signum, _held["signum"] = _held["signum"], None
+        raise TrainingInterrupted(signum, _held["message"])
+
+
 def install_stop_handlers(message=None, grace_seconds=3.0):
     """Turn SIGINT (and SIGTERM / SIGUSR1 until ``arm_notices``) into TrainingInterrupted; if
     unwinding hangs for ``grace_seconds``, print ``message`` (if given) and end the process;
     once armed, the first SIGTERM or SIGUSR1 is kept as a notice, and later ones ignored.
     Call from the main thread."""
     _notice.update(armed=False, signum=None)
+    _held.update(depth=0, signum=None, message=message)
 
     def raise_interrupted(signum, frame):
         if _takes_notice(signum):
@@ -93,6 +112,9 @@ def install_stop_handlers(message=None, grace_seconds=3.0):
             return
         for other in STOP_SIGNALS:  # once: a second signal must not interrupt the clean-up
             signal.signal(other, signal.SIG_IGN)
+        if _held["depth"]:  # a file is being written: raised when it is done (hold_stops)
+            _held["signum"] = signum
+            return
         raise TrainingInterrupted(signum, message)
 
     read_fd, write_fd = os.pipe()

@@ -236,3 +236,50 @@ def test_benchmark_quick_on_cuda(tmp_path, gpu):
     assert results["timed"]["step"]["conv_dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[expected_amp(gpu)]
     assert results["timed"]["loop"]["memory_format"] == "channels_last"
     assert all(results[key] > 0 for key in ("data", "step", "loop"))
+
+
+def test_two_ranks_on_one_gpu_multi_label_stopped_inside_an_epoch_resume_to_the_straight_run(tmp_path):
+    """Two ranks on the one GPU (gloo), --multi-label, a checkpoint at every step: SIGTERM to
+    torchrun inside epoch 1, exit 75 on both, then --resume auto ends with the weights and
+    metrics.csv rows of the same run uninterrupted."""
+    from test_multi_label import write_lists
+    from test_preemption import assert_same_run
+
+    write_lists(str(tmp_path / "data"))
+    data = tmp_path / "data"
+
+    def job(out, *extra, env=None):
+        return run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                    "--train-list", str(data / "train.csv"), "--val-list", str(data / "val.csv"), "--multi-label",
+                    "--model", "resnet18", "--img-size", "32", "--batch-size", "3", "--epochs", "2", "--no-plots",
+                    "--workers", "1", "--print-freq", "1", "--checkpoint-every", "0.00001", "--device", DEVICE,
+                    "--dist-backend", "gloo", "--output-dir", str(out), "--log-dir", f"{out}-tb", *extra],
+                   env={**ONE_GPU, **(env or {})})
+
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    assert job(straight).returncode == 0
+    stopped = job(out, "--resume", "auto", env={"PROBE_STOP": "SIGTERM:step-1-1:launcher", "PROBE_OUT": f"{out}.p"})
+    assert [r["exit_code"] for r in probe_records(f"{out}.p", 2)] == [75, 75], stopped.stderr
+    assert torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)["position"]["step"] == 2
+    resumed = job(out, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_run(out, straight)
+
+
+def test_a_resume_inside_an_epoch_on_cuda_with_dropout_equals_the_straight_run(tiny_data, tmp_path):
+    """mobilenet_v3_small (dropout before its head) on the GPU: SIGUSR1 inside epoch 1, then
+    --resume auto: the GPU's generator is put back on the GPU in use, so the dropout masks and
+    the weights equal the uninterrupted run's."""
+    from test_preemption import assert_same_run
+
+    flags = ["--epochs", "2", "--batch-size", "2", "--workers", "1", "--model", "mobilenet_v3_small", "--device",
+             DEVICE, "--amp", "off", "--checkpoint-every", "0"]
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    assert run([PYTHON, PROBE, "single", *train_args(tiny_data, straight, *flags)], env=ONE_GPU).returncode == 0
+    stopped = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags)],
+                  env={**ONE_GPU, "PROBE_STOP": "SIGUSR1:step-1-5:self"})
+    assert stopped.returncode == 75, stopped.stderr
+    assert "cuda_device" in torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)["position"]["rng"][0]
+    resumed = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags, "--resume", "auto")], env=ONE_GPU)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_run(out, straight)

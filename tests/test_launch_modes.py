@@ -106,7 +106,7 @@ def test_slurm_environment(tiny_data, tmp_path):
     and port (from the job id) from SLURM_* variables."""
     import subprocess
 
-    out, port = tmp_path / "out", free_port(15000, 35000)
+    out, port = tmp_path / "out", free_port(15000, 32000)
     procs = [subprocess_env(dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
                                  SLURM_LOCALID=str(rank), SLURM_STEP_TASKS_PER_NODE="2",
                                  SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000)))

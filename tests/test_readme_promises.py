@@ -266,14 +266,20 @@ def test_slurm_address_and_port_come_from_master_addr_node_list_launch_node_and_
     monkeypatch.setenv("SLURM_STEP_ID", "2")
     read_dist_env()
     assert os.environ["MASTER_ADDR"] == "10.0.0.5"
-    assert os.environ["MASTER_PORT"] == "20456"  # 15000 + (123456 + 1000 x 2) mod 20000 = 15000 + 5456
+    assert os.environ["MASTER_PORT"] == "21456"  # 15000 + (123456 + 1000 x 2) mod 17000 = 15000 + 6456
 
     slurm_task(monkeypatch)  # the step's 1000 is added before the mod: the sum wraps, not the job id alone
     monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.5")
-    monkeypatch.setenv("SLURM_JOB_ID", "19500")
+    monkeypatch.setenv("SLURM_JOB_ID", "16500")
     monkeypatch.setenv("SLURM_STEP_ID", "1")
     read_dist_env()
-    assert os.environ["MASTER_PORT"] == "15500"  # 15000 + (19500 + 1000) mod 20000 = 15000 + 500
+    assert os.environ["MASTER_PORT"] == "15500"  # 15000 + (16500 + 1000) mod 17000 = 15000 + 500
+
+    slurm_task(monkeypatch)  # the largest job id below a wrap: the port stays below 32768 (ephemeral ports)
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.5")
+    monkeypatch.setenv("SLURM_JOB_ID", str(17000 * 7 - 1))
+    read_dist_env()
+    assert os.environ["MASTER_PORT"] == "31999"
 
     slurm_task(monkeypatch)
     with pytest.raises(UserError, match="^SLURM job without SLURM_NODELIST or SLURM_LAUNCH_NODE_IPADDR: set "
@@ -1624,14 +1630,21 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
     del server
 
 
-@pytest.mark.parametrize("checkpoint, compared", [(None, -1), ({"epoch": 0}, 0), ({"epoch": 4}, 4)])
-def test_the_ranks_compare_the_epoch_of_their_checkpoint_none_apart_from_epoch_0(monkeypatch, checkpoint, compared):
-    """read_inputs hands check_same_on_every_rank the checkpoint's epoch, -1 for none: a rank
-    with no checkpoint and one with epoch 0's (one epoch done) disagree."""
+@pytest.mark.parametrize("checkpoint, compared", [(None, (-1, -1)), ({"epoch": 0}, (0, -1)), ({"epoch": 4}, (4, -1)),
+                                                  ({"epoch": -1, "position": {"done": 8}}, (-1, 8)),
+                                                  ({"epoch": 4, "position": {"done": 0}}, (4, 0))])
+def test_the_ranks_compare_the_epoch_and_position_of_their_checkpoint(monkeypatch, checkpoint, compared):
+    """read_inputs hands check_same_on_every_rank the checkpoint's epoch, -1 for none, then the
+    images done inside the next epoch, -1 for a save at an epoch's end: a rank with no
+    checkpoint and one with epoch 0's (one epoch done) disagree, and so do a rank with the end
+    of epoch 4 and one with a save inside epoch 5 (its "epoch" is 4 too)."""
     from multi_train_utils import inputs
 
     seen = []
-    monkeypatch.setattr(inputs, "_read_inputs", lambda *a, **k: inputs.RunInputs(None, None, None, checkpoint, None))
+    monkeypatch.setattr(inputs, "_prepare", lambda *a, **k: (None, "ckpt", checkpoint))
+    monkeypatch.setattr(inputs, "load_data", lambda *a, **k: None)
+    monkeypatch.setattr(inputs, "_check_resume_and_weights", lambda *a, **k: None)
     monkeypatch.setattr(inputs, "check_same_on_every_rank", lambda value, device, what: seen.append((value, what)))
     assert inputs.read_inputs(full_flags(), None, torch.device("cpu")).checkpoint is checkpoint
-    assert seen == [(compared, "the checkpoint to resume from")]
+    assert seen == [(compared[0], "the checkpoint to resume from"),
+                    (compared[1], "the images done inside the epoch of the checkpoint to resume from (-1: none)")]

@@ -39,6 +39,19 @@ Environment:
                   (every rank, or only rank RANK); only in torchrun's first attempt
   PROBE_SIGNAL_IN_SAVE NAME: send signal NAME to this process while it writes a checkpoint
                   inside an epoch, after the file's first bytes
+  PROBE_STOP      "NAME:POINT:WHO": the fault matrix's stops. POINT: "startup" (as the model is
+                  built), "step-E-S" (as step S of epoch E begins, S counted in the whole epoch,
+                  also after a resume inside it), "validation-E" (as epoch E's validation
+                  begins), "epoch_save-E" (while epoch E's checkpoint is written, after its
+                  first bytes), "inside_save" (likewise, in this process's first save inside
+                  an epoch). WHO: "self" (every rank signals itself), "launcher" (rank 0
+                  signals its parent), or "rank0" / "rank1" (that rank alone signals itself).
+                  NAME "ENOSPC": the point raises the OSError of a full disk instead
+  PROBE_REFUSE_DATA_RANK R: rank R refuses the data with a UserError: rank 0 inside the listing
+                  that it broadcasts (file_list.listed_once), another rank after it
+  PROBE_LOADER_TIMEOUT seconds a loader waits for a worker's batch (loaders.WORKER_TIMEOUT_SECONDS)
+  PROBE_VAL_WORKER "hang:R" or "die:R": on rank R, the validation loader's worker hangs
+                  (sleeps an hour) or dies (os._exit) at its first image
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
                   vanishes while the run uses it)
   PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
@@ -156,6 +169,7 @@ def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
         raise RuntimeError(f"probe: rank {rank} fails")
     if os.environ.get("PROBE_HANG_RANK") == str(rank):
         time.sleep(3600)
+    stop["epoch"] = epoch
     if epoch == 0:
         record["after_wrap"] = checksum(model)
         record["sync_bn"] = any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
@@ -280,6 +294,127 @@ if os.environ.get("PROBE_SIGNAL_IN_SAVE"):
 
     recorder.RunRecorder._save_inside_epoch = save_inside_epoch
     torch.save = torch_save_signalled
+stop = {"epoch": None, "step": 0, "saving": None}
+stop_name, stop_point, stop_who = (os.environ.get("PROBE_STOP", "").split(":") + ["", "", ""])[:3]
+
+
+def stop_here(point):
+    """Send PROBE_STOP's signal if ``point`` is its point, this rank sends, and it was not sent yet."""
+    if point != stop_point or stop.get("sent") or (stop_who == "launcher" and rank != 0) or \
+            (stop_who.startswith("rank") and int(stop_who[4:]) != rank):
+        return
+    stop["sent"] = True
+    if stop_name == "ENOSPC":
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    os.kill(os.getppid() if stop_who == "launcher" else os.getpid(), getattr(signal, stop_name))
+
+
+if stop_point:
+    import multi_train_utils.recorder as stop_recorder
+
+    real_start_epoch = train_eval_utils.start_epoch
+
+    def start_epoch_noted(*args, **kwargs):
+        begun = real_start_epoch(*args, **kwargs)
+        stop["step"] = begun[0]  # the epoch's first step: 0, or after a resume inside it where it goes on
+        return begun
+
+    train_eval_utils.start_epoch = start_epoch_noted
+    real_build_for_stop, real_evaluate_for_stop = target.build_model, target.evaluate
+    validated = set()
+
+    def build_model_stopped(*args, **kwargs):
+        stop_here("startup")
+        return real_build_for_stop(*args, **kwargs)
+
+    def evaluate_stopped(*args, **kwargs):
+        if stop["epoch"] is not None and stop["epoch"] not in validated:
+            validated.add(stop["epoch"])
+            stop_here(f"validation-{stop['epoch']}")
+        return real_evaluate_for_stop(*args, **kwargs)
+
+    target.build_model, target.evaluate = build_model_stopped, evaluate_stopped
+
+    def saving_as(kind, save):
+        def saved(*args, **kwargs):
+            stop["saving"] = kind
+            try:
+                return save(*args, **kwargs)
+            finally:
+                stop["saving"] = None
+        return saved
+
+    real_save_epoch = stop_recorder.RunRecorder._save_epoch
+    stop_recorder.RunRecorder._save_epoch = lambda self, epoch, *a, **k: saving_as(
+        f"epoch_save-{epoch}", real_save_epoch)(self, epoch, *a, **k)
+    stop_recorder.RunRecorder._save_inside_epoch = saving_as("inside_save", stop_recorder.RunRecorder._save_inside_epoch)
+    real_save_for_stop = torch.save
+
+    def torch_save_stopped(obj, f, *args, **kwargs):
+        if stop["saving"] and hasattr(f, "write") and isinstance(obj, dict) and "optimizer" in obj:  # the checkpoint
+            f.write(b"PK")  # the file has begun
+            f.flush()
+            stop_here(stop["saving"])
+            f.seek(0)
+            f.truncate()
+        return real_save_for_stop(obj, f, *args, **kwargs)
+
+    torch.save = torch_save_stopped
+
+if os.environ.get("PROBE_REFUSE_DATA_RANK") == str(rank):
+    import my_dataset
+
+    from multi_train_utils.errors import UserError
+
+    def refuse(*args, **kwargs):
+        raise UserError("probe: this rank refuses the data")
+
+    if rank == 0:
+        my_dataset.read_split_data = refuse
+    else:
+        real_build_refused = target.build_datasets
+
+        def build_then_refuse(args):
+            real_build_refused(args)
+            refuse()
+
+        target.build_datasets = build_then_refuse
+
+if os.environ.get("PROBE_LOADER_TIMEOUT"):
+    import multi_train_utils.loaders as probe_loaders
+
+    probe_loaders.WORKER_TIMEOUT_SECONDS = float(os.environ["PROBE_LOADER_TIMEOUT"])
+
+val_worker_fault, _, val_worker_rank = os.environ.get("PROBE_VAL_WORKER", "").partition(":")
+if val_worker_fault and int(val_worker_rank) == rank:
+    import torch.utils.data as probe_data
+
+    real_make_loader = target.make_loader
+
+    class FaultyInWorker(probe_data.Dataset):
+        """The validation set, whose items hang or end the process in a loader worker."""
+
+        def __init__(self, dataset):
+            self.dataset = dataset
+
+        def __len__(self):
+            return len(self.dataset)
+
+        def __getitem__(self, index):
+            if probe_data.get_worker_info() is not None:
+                if val_worker_fault == "hang":
+                    time.sleep(3600)
+                os._exit(3)
+            return self.dataset[index]
+
+    def make_loader_faulty(dataset, *args, validation=False, **kwargs):
+        return real_make_loader(FaultyInWorker(dataset) if validation else dataset, *args, validation=validation,
+                                **kwargs)
+
+    target.make_loader = make_loader_faulty
+
 nan_ranks = os.environ.get("PROBE_NAN_RANK", "").split(",")
 nan_steps = os.environ.get("PROBE_NAN_STEP", "0").split(",")
 nan_step = int(nan_steps[nan_ranks.index(str(rank)) % len(nan_steps)]) if str(rank) in nan_ranks else None
@@ -295,6 +430,9 @@ def counted_loss_forward(self, x, y):
         raise RuntimeError(f"probe: rank {rank} fails at step {step}")
     if signal_at is not None and step == signal_at[1]:
         send_probe_signal(*signal_at)
+    if stop_point and stop["epoch"] is not None:
+        stop_here(f"step-{stop['epoch']}-{stop['step']}")
+        stop["step"] += 1
     if step == nan_step:
         loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d(loss)/d(x) is unchanged
     return loss

@@ -1,0 +1,285 @@
+"""Stops where clusters really stop jobs: the requeue done before any rank exits, a refusal or a
+failed save on one rank reaching every rank in seconds, a loader worker that hangs or dies,
+the schedule after a resume at another batch size, the random state of the GPU in use, and
+the smaller promises around them (the port, uneven SLURM nodes, --eval-only's precision).
+The fault matrix itself is tests/test_fault_matrix.py.
+"""
+import fcntl
+import os
+import signal
+import stat
+import time
+
+import pytest
+import torch
+
+from conftest import (PROBE, PYTHON, REPO, TORCHRUN, ScriptProcess, free_port, kill_tree, parse_flags, read_metrics, run,
+                      run_ranks, train_args)
+
+SHORT = ["--epochs", "2", "--workers", "0", "--print-freq", "1", "--checkpoint-every", "0"]
+
+
+def rank_env(world_size, rank, port, extra=None):
+    return dict(extra or {}, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def kill_on_bad_exit(cmd, env, world_size=2, timeout=300):
+    """The ranks of one job as ``srun --kill-on-bad-exit=1`` runs them: the first rank to exit
+    with a non-zero code gets every other rank killed at once, with all they started. Returns
+    each rank's exit code (-9 for the killed) and the seconds until the first non-zero exit."""
+    port, started = free_port(), time.monotonic()
+    ranks = [ScriptProcess(cmd, rank_env(world_size, r, port, env), REPO) for r in range(world_size)]
+    codes, first_bad = [None] * world_size, None
+    while None in codes:
+        assert time.monotonic() - started < timeout, "the job did not end"
+        for r, rank in enumerate(ranks):
+            if codes[r] is None and os.path.exists(rank.paths["rc"]):
+                codes[r] = int(open(rank.paths["rc"]).read())
+                if codes[r] != 0 and first_bad is None:
+                    first_bad = time.monotonic() - started
+                    for other in ranks:
+                        kill_tree(other.pid)
+        time.sleep(0.01)
+    return codes, first_bad
+
+
+def slow_scontrol(folder, seconds=5):
+    """An scontrol that takes ``seconds`` (as a busy slurmctld does), then writes its arguments."""
+    folder.mkdir()
+    path = folder / "scontrol"
+    path.write_text(f"#!/bin/sh\nsleep {seconds}\necho \"$@\" >> {folder / 'calls.txt'}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return folder
+
+
+@pytest.mark.parametrize("point", ["step-1-1", "validation-0"])
+def test_the_requeue_is_done_before_any_rank_exits(tiny_data, tmp_path, point):
+    """SIGUSR1 to rank 1 (inside an epoch, and at an epoch's end), scontrol taking 5 s, and a
+    launcher that kills every rank at the first non-zero exit (srun --kill-on-bad-exit=1): no
+    rank exits before rank 0's scontrol requeue is done, so the job is requeued."""
+    out, bin_dir = tmp_path / "out", slow_scontrol(tmp_path / "bin")
+    if os.environ.get("TESTS_FRESH_PROCESSES") == "1":
+        pytest.skip("needs the prestarted Python's rc files")
+    cmd = [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--requeue", "--resume", "auto")]
+    codes, _ = kill_on_bad_exit(cmd, {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "91",
+                                      "PROBE_STOP": f"SIGUSR1:{point}:rank1"})
+    assert (bin_dir / "calls.txt").read_text() == "requeue 91\n", codes
+    assert codes[0] == 75 and codes[1] in (75, -signal.SIGKILL)  # the first 75 may get the other killed
+
+
+def test_a_refusal_on_rank_0_at_start_up_reaches_every_rank_in_seconds(tiny_data, tmp_path):
+    """torchrun, 2 processes, into an --output-dir that another run holds: rank 0 refuses at
+    the lock, rank 1 learns of it at the same all-reduce (not in another collective), and
+    both end within seconds with "another run is writing there", long before --dist-timeout."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / "run.lock", "w") as held:  # the other run: this process holds the lock
+        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        started = time.monotonic()
+        job = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                   *train_args(tiny_data, out, *SHORT, "--dist-timeout", "300")], timeout=240)
+        seconds = time.monotonic() - started
+    assert job.returncode != 0
+    assert "another run is writing there" in job.stderr, job.stderr
+    assert "timed out" not in job.stderr and "lost contact" not in job.stderr, job.stderr
+    assert seconds < 120  # not --dist-timeout's 300 s
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_refusal_on_one_rank_in_the_data_step_stops_every_rank(tiny_data, tmp_path, failing):
+    """A rank whose data listing is refused (rank 0, the one that lists; or rank 1, in its
+    checks) stops the other at the same all-reduce: both exit 2 within seconds."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--dist-timeout", "300")],
+                    env={"PROBE_REFUSE_DATA_RANK": str(failing)}, timeout=240)
+    assert job.returncode == 2, job.stderr
+    assert "probe: this rank refuses the data" in job.stderr and "timed out" not in job.stderr, job.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_a_failed_epoch_save_on_rank_0_stops_every_rank_in_seconds(tiny_data, tmp_path):
+    """The disk fills while rank 0 writes epoch 0's checkpoint: rank 0 says so, rank 1 learns
+    it in the epoch's agreement (not after --dist-timeout), both exit 2; no checkpoint was written."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--dist-timeout", "300")],
+                    env={"PROBE_STOP": "ENOSPC:epoch_save-0:rank0"}, timeout=240)
+    assert job.returncode == 2, job.stderr
+    assert "error: disk full: could not write" in job.stderr and "checkpoint.pth" in job.stderr, job.stderr
+    assert "rank 0 could not write the epoch's checkpoint" in job.stderr, job.stderr
+    assert "no checkpoint was written yet" in job.stderr, job.stderr
+    assert "timed out" not in job.stderr
+    assert time.monotonic() - started < 120
+    assert not (out / "checkpoint.pth").exists()
+
+
+@pytest.mark.parametrize("fault, line", [("hang", "gave no batch in 5 s: it hangs"),
+                                         ("die", "ended: exited unexpectedly")])
+def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(tiny_data, tmp_path, fault, line):
+    """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here) or dies: rank
+    1 names it in one line with the checkpoint to resume from, rank 0 says it lost contact;
+    neither waits forever, nor prints a traceback."""
+    out = tmp_path / "out"
+    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT[:2], "--workers", "1")],
+                    env={"PROBE_VAL_WORKER": f"{fault}:1", "PROBE_LOADER_TIMEOUT": "5"}, timeout=240)
+    assert job.returncode != 0
+    assert "[rank 1] error: a data loader's worker" in job.stderr and line in job.stderr, job.stderr
+    assert "no checkpoint was written yet" in job.stderr, job.stderr
+    assert "lost contact with another process" in job.stderr, job.stderr
+    assert "Traceback" not in job.stderr, job.stderr
+
+
+def test_a_resume_inside_an_epoch_at_another_batch_size_puts_the_schedule_at_its_step(tiny_data, tmp_path):
+    """Stopped inside epoch 1 at batch 2 (one process), resumed at batch 4: epoch 1's last
+    learning rate is that of an uninterrupted batch-4 run (the schedule moved by the batch-4
+    steps the trained images make, not by the batch-2 steps)."""
+    out, straight = tmp_path / "out", tmp_path / "straight"
+    flags = ["--epochs", "2", "--workers", "0", "--checkpoint-every", "0", "--lr", "0.01"]
+    stopped = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags, "--batch-size", "2")],
+                  env={"PROBE_STOP": "SIGUSR1:step-1-7:self"})
+    assert stopped.returncode == 75, stopped.stderr
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["position"]["step"] == 8  # 16 of 36 images
+    resumed = run([PYTHON, PROBE, "single", *train_args(tiny_data, out, *flags, "--batch-size", "4", "--resume",
+                                                        "auto")])
+    assert resumed.returncode == 0, resumed.stderr
+    whole = run([PYTHON, PROBE, "single", *train_args(tiny_data, straight, *flags, "--batch-size", "4")])
+    assert whole.returncode == 0, whole.stderr
+    assert read_metrics(out)[1]["lr"] == read_metrics(straight)[1]["lr"]
+
+
+def test_the_first_step_after_a_resume_counts_steps_of_the_new_batch_size():
+    """EpochBatchSampler.first_step: a checkpoint after 5 steps of batch 4 (20 of 36 images), read
+    at batch 8: 2 steps of 8 remain of 4, so the epoch goes on at step 2 (not 5); at batch 4, 5."""
+    from torch.utils.data import DistributedSampler
+
+    from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
+
+    sampler = DistributedSampler(range(36), num_replicas=1, rank=0, shuffle=True, seed=0)
+    position = EpochPosition(epoch=0, done=20, end=36, order_world_size=1, step=5, train_images=36)
+    for batch_size, expected in ((8, 2), (4, 5), (2, 10)):
+        batches = EpochBatchSampler(sampler, batch_size, world_size=1, rank=0)
+        batches.resume_at(position)
+        assert batches.first_step() == expected, batch_size
+
+
+def test_the_gpu_generator_is_saved_and_restored_for_the_gpu_in_use(monkeypatch):
+    """rng_state keeps the state of the GPU this process uses (the current device), and
+    restore_rng puts it on the GPU in use then, whatever the number of visible GPUs: 8
+    visible and GPU 5 in use, then 1 visible (srun --gpus-per-task=1). A checkpoint of an
+    earlier version (every GPU's state) is restored only where as many GPUs are visible."""
+    from multi_train_utils import checkpoint
+
+    states = {5: torch.tensor([5], dtype=torch.uint8), 0: torch.tensor([0], dtype=torch.uint8)}
+    put = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: states[device])
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state saved"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: put.append((int(state), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: put.append(("all", len(states))))
+    saved = checkpoint.rng_state()
+    assert int(saved["cuda_device"]) == 5 and "cuda" not in saved
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the resume: one GPU visible, index 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    checkpoint.restore_rng(saved)
+    assert put == [(5, 0)]
+    put.clear()
+    checkpoint.restore_rng({"cuda": [torch.zeros(1)] * 8})  # an earlier version's, 8 GPUs then, 1 now
+    assert put == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    checkpoint.restore_rng({"cuda": [torch.zeros(1)] * 8})
+    assert put == [("all", 8)]
+
+
+def test_mixing_a_batch_reseeds_no_gpu_generator(monkeypatch):
+    """MixUp and CutMix draw from the CPU generator alone: no GPU generator is reseeded behind
+    the user's back (torch.manual_seed would reseed them all at every step)."""
+    from multi_train_utils.mixing import BatchMixer
+
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: reseeded.append(seed))
+    mixer = BatchMixer(3, mixup_alpha=0.4, cutmix_alpha=1.0, seed=0, rank=0)
+    batch = torch.rand(4, 3, 8, 8)
+    before = torch.get_rng_state()
+    _, targets = mixer(batch, torch.tensor([0, 1, 2, 0]), epoch=0, step=3)
+    assert reseeded == []
+    assert torch.equal(torch.get_rng_state(), before)  # the global CPU generator as it was
+    assert targets.shape == (4, 3) and torch.allclose(targets.sum(1), torch.ones(4))
+
+
+@pytest.mark.parametrize("tasks, node, expected", [("2(x3),1", 0, 2), ("2(x3),1", 2, 2), ("2(x3),1", 3, 1),
+                                                   ("4(x2)", 1, 4), ("1,3", 1, 3), ("8", 0, 8)])
+def test_the_tasks_of_this_node_come_from_its_entry_of_an_uneven_list(monkeypatch, tasks, node, expected):
+    """SLURM_STEP_TASKS_PER_NODE of uneven nodes: each node takes its own entry (SLURM_NODEID),
+    so the processes of a node wait for as many peers as it has."""
+    from multi_train_utils.distributed_utils import read_dist_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in dict(SLURM_PROCID="6", SLURM_STEP_NUM_TASKS="7", SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                           SLURM_STEP_TASKS_PER_NODE=tasks, SLURM_NODELIST="n[1-4]", SLURM_JOB_ID="5").items():
+        monkeypatch.setenv(key, value)
+    assert read_dist_env().local_world_size == expected
+
+
+def test_eval_only_evaluates_at_the_runs_precision_unless_amp_is_given(tmp_path):
+    """--eval-only takes --amp from the run's args.json (a run trained with --amp off is
+    evaluated in fp32, also where auto would pick bf16); --amp on the command line wins."""
+    from multi_train_utils.run_files import ARGS_FILE
+
+    data = f'"data_path": "{tmp_path}"'
+    (tmp_path / ARGS_FILE).write_text('{"model": "resnet18", "img_size": 32, "amp": "off", ' + data + '}')
+    weights = str(tmp_path / "model-best.pth")
+    assert parse_flags(False, "--eval-only", "--weights", weights).amp == "off"
+    assert parse_flags(True, "--eval-only", "--weights", weights, "--amp", "bf16").amp == "bf16"
+    (tmp_path / ARGS_FILE).write_text('{"model": "resnet18", "img_size": 32, "amp": "fast", ' + data + '}')
+    from multi_train_utils.errors import UserError
+
+    with pytest.raises(UserError, match='its "amp" is \'fast\' .*one of auto, bf16, fp16, off'):
+        parse_flags(False, "--eval-only", "--weights", weights)
+
+
+def test_a_stop_during_eval_only_says_to_run_it_again_not_to_resume(tmp_path):
+    """SIGTERM during --eval-only: there is no checkpoint to continue from, so the line says
+    to run the command again."""
+    from multi_train_utils.inputs import resume_hint
+
+    args = parse_flags(False, "--output-dir", str(tmp_path))
+    assert "--resume auto" in resume_hint(args)
+    args.eval_only = True
+    assert resume_hint(args) == "the evaluation did not finish and wrote nothing; run the same command again"
+
+
+def test_a_utf16_list_file_is_refused_in_one_line_without_nul_bytes(tmp_path):
+    """A list saved as UTF-16 (a spreadsheet's "Unicode text"): one line that says so, no raw NUL bytes."""
+    from multi_train_utils.data_split import _read_label_file
+    from multi_train_utils.errors import UserError
+
+    path = tmp_path / "train.csv"
+    path.write_bytes("path,label\nimg/a.png,cat\n".encode("utf-16"))
+    with pytest.raises(UserError) as error:
+        _read_label_file(str(path), "--train-list")
+    assert str(error.value) == f"--train-list {path}: saved as UTF-16 text (NUL bytes); save it as UTF-8, a CSV " \
+                               "file with the header path,label"
+    assert "\x00" not in str(error.value)
+
+
+def test_torchrun_with_sigusr1_among_the_signals_it_handles_saves_and_exits_75(tiny_data, tmp_path):
+    """The documented torchrun: --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 passes
+    SIGUSR1 on to its workers, which save at one step and exit 75 (without the flag, SIGUSR1
+    ends torchrun and nothing is saved)."""
+    out = tmp_path / "out"
+    job = run([*TORCHRUN, "--nproc_per_node=2", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+               "--master_port", str(free_port()), PROBE, "multi", *train_args(tiny_data, out, *SHORT)],
+              env={"PROBE_STOP": "SIGUSR1:step-1-1:launcher", "PROBE_OUT": f"{out}.probe"})
+    import json
+
+    codes = [json.load(open(f"{out}.probe.rank{r}.json"))["exit_code"] for r in range(2)]
+    assert codes == [75, 75], job.stdout + job.stderr
+    assert "on a preemption notice (SIGUSR1), and saved the checkpoint" in job.stderr
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["position"]["step"] == 2
