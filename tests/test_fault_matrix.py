@@ -63,7 +63,8 @@ def expected_codes(launcher, kind, point):
     """docs/guarantees.md's exit codes of the ranks that get the stop, and those the others may
     have: a notice once the epochs run saves and exits 75 on every rank; before (start-up) it
     stops as Ctrl-C does, 128 + the signal; Ctrl-C is 130; SIGKILL ends the process (-9), and
-    a rank whose peer is gone stops with "lost contact" (1)."""
+    a rank whose peer is gone stops with "lost contact" (1), or, before the epochs run, on the
+    SIGTERM that torchrun sends the rest when one worker failed (143)."""
     number = getattr(signal, kind)
     if kind == "SIGKILL":
         signalled = -number
@@ -73,7 +74,8 @@ def expected_codes(launcher, kind, point):
         signalled = 128 + number
     if launcher == "single" or who(launcher, kind, point) == "launcher":
         return {signalled}, {signalled}
-    others = {75} if signalled == 75 else {1}
+    # a rank whose peer is gone: "lost contact" (1), or torchrun's SIGTERM to it before the epochs run (143)
+    others = {75} if signalled == 75 else {1, 128 + signal.SIGTERM}
     return {signalled}, others
 
 

@@ -1632,7 +1632,8 @@ def test_doctor_reports_a_hung_all_reduce_within_its_timeout_naming_the_step(mon
 
 @pytest.mark.parametrize("checkpoint, compared", [(None, (-1, -1)), ({"epoch": 0}, (0, -1)), ({"epoch": 4}, (4, -1)),
                                                   ({"epoch": -1, "position": {"done": 8}}, (-1, 8)),
-                                                  ({"epoch": 4, "position": {"done": 0}}, (4, 0))])
+                                                  ({"epoch": 4, "position": {"done": 0}}, (4, 0))],
+                         ids=["none", "epoch_0", "epoch_4", "inside_epoch_0", "inside_epoch_5"])
 def test_the_ranks_compare_the_epoch_and_position_of_their_checkpoint(monkeypatch, checkpoint, compared):
     """read_inputs hands check_same_on_every_rank the checkpoint's epoch, -1 for none, then the
     images done inside the next epoch, -1 for a save at an epoch's end: a rank with no

@@ -27,7 +27,8 @@ USER_FUNCTIONS = {"model": {"create_model", "create_loss", "create_optimizer", "
 TIMEOUT = 600
 
 # The minimal files the issue describes: the four functions and build_datasets, a tiny CNN and
-# torchvision's ImageFolder (gray images: one channel, normalised with their own mean and std).
+# torchvision's ImageFolder (gray images: one channel, used as they come: mean and std None, so that
+# --eval-only, predict.py and export.py read that back too; the 4-channel run has its own mean and std).
 MINIMAL_MODEL = '''import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
@@ -61,7 +62,7 @@ def build_datasets(args):
     transform = v2.Compose([v2.Grayscale(), v2.PILToTensor(), v2.Resize(args.img_size), v2.CenterCrop(args.img_size)])
     train = ImageFolder(args.data_path + "/train", transform=transform)
     val = ImageFolder(args.data_path + "/val", transform=transform)
-    return Datasets(train, val, train.classes, channels=1, mean=(0.5,), std=(0.25,))
+    return Datasets(train, val, train.classes, channels=1, mean=None, std=None)  # used as they come
 '''
 # Our own my_dataset.py, its built-in datasets read as RGBA: 4 channels, each with its mean and std.
 FOUR_CHANNELS = ("return image_file_datasets(split, args.img_size, augment_settings(args))",
@@ -237,6 +238,8 @@ def check_whole_way(run, channels):
 
 def test_minimal_files_of_your_own_train_resume_evaluate_predict_and_export_with_gray_images(gray):
     check_whole_way(gray, channels=1)
+    with open(os.path.join(gray["out"], "args.json")) as f:
+        assert json.load(f)["images"] == {"channels": 1, "mean": None, "std": None}
     # the tiny CNN of the minimal model.py, not a torchvision model, is what was trained
     weights = torch.load(os.path.join(gray["out"], "model-1.pth"), weights_only=True)
     assert sorted(weights) == ["0.bias", "0.weight", "4.bias", "4.weight"] and weights["0.weight"].shape == (8, 1, 3, 3)
