@@ -84,13 +84,10 @@ class MidEpochCheckpoints:
         """After an epoch's checkpoint, every rank, in one all-reduce (on the device of
         ``model``): if rank 0's save failed (``error``), every rank raises (rank 0 its
         ``error``); else, with ``notices``, every rank stops if any received a notice."""
-        device = next(model.parameters()).device if model is not None else torch.device("cpu")
+        device = device_of(model)
         wishes = [float(error is not None), float(notices and notice_received() is not None)]
         failed, noticed = all_reduce_sum(torch.tensor(wishes, device=device)).tolist()
-        if failed:
-            if error is not None:
-                raise error
-            raise MidRunError("rank 0 could not write the epoch's checkpoint (its error says why)")
+        raise_if_failed(failed, error, "the epoch's checkpoint")
         if noticed:
             self._stop(f"stopped after an epoch's checkpoint on a preemption notice ({notice_name()})", device)
 
@@ -103,6 +100,27 @@ class MidEpochCheckpoints:
         if not is_main_process():
             raise Preempted(None)
         raise Preempted("\n".join(line for line in (requeued, f"{what}; {self.hint}") if line))
+
+
+def device_of(model):
+    """The device of ``model``'s weights (the CPU for None): where its collectives run."""
+    return next(model.parameters()).device if model is not None else torch.device("cpu")
+
+
+def agree_on_write(error, model, what):
+    """Every rank, after rank 0 wrote ``what`` (``error``: what it raised, or None): one
+    all-reduce, then every rank raises if rank 0 failed (rank 0 its ``error``), so that no
+    rank goes on into a collective that rank 0 never joins."""
+    failed = all_reduce_sum(torch.tensor([float(error is not None)], device=device_of(model)))
+    raise_if_failed(float(failed), error, what)
+
+
+def raise_if_failed(failed, error, what):
+    """Raise ``error`` (this rank's), or that rank 0 could not write ``what``, if ``failed``."""
+    if failed:
+        if error is not None:
+            raise error
+        raise MidRunError(f"rank 0 could not write {what} (its error says why)")
 
 
 def notice_name():

@@ -14,7 +14,7 @@ from multi_train_utils.multi_label_report import save_multi_label_report
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_label_distribution,
                                         plot_training_curves, save_confusion_matrix, save_figure)
 from multi_train_utils.inputs import file_list_fingerprint, resume_hint
-from multi_train_utils.mid_epoch import MidEpochCheckpoints
+from multi_train_utils.mid_epoch import MidEpochCheckpoints, agree_on_write
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
 from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, MULTI_LABEL_COLUMNS, args_to_dict,
@@ -78,8 +78,18 @@ class RunRecorder:
                                                hint=resume_hint(args), requeue=args.requeue)
         self.position = checkpoint["position"] if checkpoint else None  # inside the epoch of the checkpoint
         arm_notices()  # from now on SIGTERM and SIGUSR1 save, then stop
-        if not self.enabled:
-            return
+        error = None
+        if self.enabled:
+            try:
+                self._start_files(data, checkpoint, resume_path, resuming_here)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it (agree_on_write), then it is raised
+                error = e
+        agree_on_write(error, self.state.model, f"the run's files in {self.output_dir}")
+
+    def _start_files(self, data, checkpoint, resume_path, resuming_here):
+        """Rank 0: --output-dir made ready, train.log, args.json, class_indices.json, metrics.csv
+        (resuming: the files of the checkpoint's epoch), TensorBoard's writer."""
+        args, run_log = self.args, self.run_log
         clear_earlier_run(args, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
         set_aside_damaged_checkpoint(self.output_dir, resume_path)  # resumed from checkpoint-prev.pth
         os.makedirs(self.output_dir, exist_ok=True)
@@ -271,9 +281,16 @@ class RunRecorder:
     def plot_data(self, data, train_set, count=16):
         """class_distribution.png (for datasets with .targets) and batch_preview.png (augmented
         training images, from ``train_set``, whose items may be asked as (epoch, index)), also
-        in TensorBoard."""
-        if not self.enabled or not self.args.plots:
-            return
+        in TensorBoard (rank 0; every rank learns whether it could)."""
+        error = None
+        if self.enabled and self.args.plots:
+            try:
+                self._plot_data(data, train_set, count)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it (agree_on_write), then it is raised
+                error = e
+        agree_on_write(error, self.state.model, "the data's pictures")
+
+    def _plot_data(self, data, train_set, count):
         train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
         if train is not None and val is not None:
             labels = training_labels(data.train)

@@ -27,6 +27,17 @@ from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower  # noqa: E
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+
+
+def torchrun_passing_sigusr1():
+    """(flags, env) that make torchrun pass SIGUSR1 on to its workers, as docs/multi-gpu.md says:
+    its --signals-to-handle flag where it has one (it overwrites the variable), else the variable."""
+    from torch.distributed.run import get_args_parser
+
+    signals = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    if any("--signals-to-handle" in action.option_strings for action in get_args_parser()._actions):
+        return [f"--signals-to-handle={signals}"], {}
+    return [], {"TORCHELASTIC_SIGNALS_TO_HANDLE": signals}
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")  # a script's main() with probes patched in
 PRESTARTED = os.path.join(REPO, "tests", "helpers", "prestarted.py")  # see Prestarted
 # Small and fast: a small network (0.35 M parameters, with BatchNorm and an ``fc`` head like a

@@ -23,7 +23,8 @@ import signal
 import pytest
 import torch
 
-from conftest import PROBE, PYTHON, TORCHRUN, free_port, metrics_without_timing, run, train_args
+from conftest import (PROBE, PYTHON, TORCHRUN, free_port, metrics_without_timing, run, torchrun_passing_sigusr1,
+                      train_args)
 
 # 36 training images, batch 4: 9 steps an epoch in one process, 4 a rank at world size 2.
 # A save inside the epoch at every step where the ranks agree (--print-freq 1); EMA and MixUp on.
@@ -32,7 +33,6 @@ RECIPE = ["--epochs", "4", "--workers", "0", "--print-freq", "1", "--checkpoint-
 STEPS = {"single": 9, "torchrun": 4}
 KINDS = ("SIGTERM", "SIGUSR1", "SIGKILL", "SIGINT")
 NOTICES = ("SIGTERM", "SIGUSR1")
-TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # docs/multi-gpu.md: SIGUSR1 passed on too
 
 
 def points(launcher):
@@ -83,7 +83,7 @@ def command(launcher, tiny_data, out, *extra):
     flags = train_args(tiny_data, out, *RECIPE, "--resume", "auto", *extra)
     if launcher == "single":
         return [PYTHON, PROBE, "single", *flags]
-    return [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=0", "--signals-to-handle=" + TORCHRUN_SIGNALS,
+    return [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=0", *torchrun_passing_sigusr1()[0],
             "--master_port", str(free_port()), PROBE, "multi", *flags]
 
 
@@ -158,7 +158,8 @@ def run_chain(launcher, chain, tiny_data, tmp_path):
     for point, kind in zip(points(launcher), chain_kinds(chain)):
         prefix = tmp_path / f"{point}.probe"
         result = run(command(launcher, tiny_data, out),
-                     env={"PROBE_OUT": str(prefix), "PROBE_STOP": f"{kind}:{point}:{who(launcher, kind, point)}"})
+                     env={"PROBE_OUT": str(prefix), "PROBE_STOP": f"{kind}:{point}:{who(launcher, kind, point)}",
+                          **torchrun_passing_sigusr1()[1]})
         codes = exit_codes(launcher, prefix, result)
         assert_stop_kept_the_promise(launcher, kind, point, out, codes, result)
     final = run(command(launcher, tiny_data, out))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (PROBE, PYTHON, REPO, TORCHRUN, ScriptProcess, free_port, kill_tree, parse_flags, read_metrics, run,
-                      run_ranks, train_args)
+                      run_ranks, torchrun_passing_sigusr1, train_args)
 
 SHORT = ["--epochs", "2", "--workers", "0", "--print-freq", "1", "--checkpoint-every", "0"]
 
@@ -97,6 +97,20 @@ def test_a_refusal_on_one_rank_in_the_data_step_stops_every_rank(tiny_data, tmp_
                     env={"PROBE_REFUSE_DATA_RANK": str(failing)}, timeout=240)
     assert job.returncode == 2, job.stderr
     assert "probe: this rank refuses the data" in job.stderr and "timed out" not in job.stderr, job.stderr
+    assert time.monotonic() - started < 120
+
+
+def test_a_failed_write_of_the_runs_first_files_on_rank_0_stops_every_rank_in_seconds(tiny_data, tmp_path):
+    """The disk is full as rank 0 writes args.json at the start: rank 1 learns it before the
+    first training step's collective, both exit 2 at once with their lines."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--dist-timeout", "300")],
+                    env={"PROBE_STOP": "ENOSPC:run_files:rank0"}, timeout=240)
+    assert job.returncode == 2, job.stderr
+    assert "error: disk full: could not write a file (No space left on device)" in job.stderr, job.stderr
+    assert f"[rank 1] error: rank 0 could not write the run's files in {out} (its error says why)" in job.stderr
+    assert "timed out" not in job.stderr and "lost contact" not in job.stderr, job.stderr
     assert time.monotonic() - started < 120
 
 
@@ -276,9 +290,10 @@ def test_torchrun_with_sigusr1_among_the_signals_it_handles_saves_and_exits_75(t
     SIGUSR1 on to its workers, which save at one step and exit 75 (without the flag, SIGUSR1
     ends torchrun and nothing is saved)."""
     out = tmp_path / "out"
-    job = run([*TORCHRUN, "--nproc_per_node=2", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-               "--master_port", str(free_port()), PROBE, "multi", *train_args(tiny_data, out, *SHORT)],
-              env={"PROBE_STOP": "SIGUSR1:step-1-1:launcher", "PROBE_OUT": f"{out}.probe"})
+    flags, env = torchrun_passing_sigusr1()
+    job = run([*TORCHRUN, "--nproc_per_node=2", *flags, "--master_port", str(free_port()), PROBE, "multi",
+               *train_args(tiny_data, out, *SHORT)],
+              env={"PROBE_STOP": "SIGUSR1:step-1-1:launcher", "PROBE_OUT": f"{out}.probe", **env})
     import json
 
     codes = [json.load(open(f"{out}.probe.rank{r}.json"))["exit_code"] for r in range(2)]

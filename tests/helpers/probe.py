@@ -44,7 +44,8 @@ Environment:
                   also after a resume inside it), "validation-E" (as epoch E's validation
                   begins), "epoch_save-E" (while epoch E's checkpoint is written, after its
                   first bytes), "inside_save" (likewise, in this process's first save inside
-                  an epoch). WHO: "self" (every rank signals itself), "launcher" (rank 0
+                  an epoch), "run_files" (as rank 0 writes args.json at the start). WHO:
+                  "self" (every rank signals itself), "launcher" (rank 0
                   signals its parent), or "rank0" / "rank1" (that rank alone signals itself).
                   NAME "ENOSPC": the point raises the OSError of a full disk instead
   PROBE_REFUSE_DATA_RANK R: rank R refuses the data with a UserError: rank 0 inside the listing
@@ -336,6 +337,13 @@ if stop_point:
         return real_evaluate_for_stop(*args, **kwargs)
 
     target.build_model, target.evaluate = build_model_stopped, evaluate_stopped
+    real_write_run_settings = stop_recorder.write_run_settings
+
+    def write_run_settings_stopped(*args, **kwargs):
+        stop_here("run_files")
+        return real_write_run_settings(*args, **kwargs)
+
+    stop_recorder.write_run_settings = write_run_settings_stopped
 
     def saving_as(kind, save):
         def saved(*args, **kwargs):
