@@ -136,6 +136,9 @@ def assert_stop_kept_the_promise(launcher, kind, point, out, codes, result):
     else:
         target = 0 if sender == "rank0" else 1
         assert codes[target] in signalled and codes[1 - target] in others, text
+        if codes[1 - target] == 1:  # its peer was killed: one line, not a traceback (torchrun's own aside)
+            tracebacks = result.stderr.count("Traceback") - result.stderr.count("errors.ChildFailedError")
+            assert "error: lost contact with another process" in result.stderr and tracebacks == 0, text
     epoch, step = ([int(part) for part in point.split("-")[1:]] + [None, None])[:2]
     if kind in NOTICES and point != "startup":
         checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)

@@ -114,26 +114,33 @@ def test_a_failed_write_of_the_runs_first_files_on_rank_0_stops_every_rank_in_se
     assert time.monotonic() - started < 120
 
 
-def test_a_failed_epoch_save_on_rank_0_stops_every_rank_in_seconds(tiny_data, tmp_path):
-    """The disk fills while rank 0 writes epoch 0's checkpoint: rank 0 says so, rank 1 learns
-    it in the epoch's agreement (not after --dist-timeout), both exit 2; no checkpoint was written."""
+@pytest.mark.parametrize("point, what", [("epoch_save-0", "the epoch's checkpoint"),
+                                         ("inside_save", "the checkpoint inside the epoch")],
+                         ids=["epoch_save", "inside_save"])
+def test_a_failed_save_on_rank_0_stops_every_rank_in_seconds(tiny_data, tmp_path, point, what):
+    """The disk fills while rank 0 writes epoch 0's checkpoint, or its first checkpoint inside
+    an epoch: rank 0 says so, rank 1 learns it in the agreement after the save (not after
+    --dist-timeout), both exit 2; no checkpoint was written."""
     out = tmp_path / "out"
     started = time.monotonic()
-    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--dist-timeout", "300")],
-                    env={"PROBE_STOP": "ENOSPC:epoch_save-0:rank0"}, timeout=240)
+    every_step = ["--checkpoint-every", "0.00001"] if point == "inside_save" else []
+    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, *every_step, "--dist-timeout",
+                                                            "300")],
+                    env={"PROBE_STOP": f"ENOSPC:{point}:rank0"}, timeout=240)
     assert job.returncode == 2, job.stderr
     assert "error: disk full: could not write" in job.stderr and "checkpoint.pth" in job.stderr, job.stderr
-    assert "rank 0 could not write the epoch's checkpoint" in job.stderr, job.stderr
+    assert f"[rank 1] error: rank 0 could not write {what} (its error says why)" in job.stderr, job.stderr
     assert "no checkpoint was written yet" in job.stderr, job.stderr
-    assert "timed out" not in job.stderr
+    assert "timed out" not in job.stderr and "lost contact" not in job.stderr, job.stderr
     assert time.monotonic() - started < 120
     assert not (out / "checkpoint.pth").exists()
 
 
 @pytest.mark.parametrize("fault, line", [("hang", "gave no batch in 5 s: it hangs"),
-                                         ("die", "ended: exited unexpectedly")])
+                                         ("die", "ended: exited unexpectedly"),
+                                         ("kill", "ended: ")], ids=["hang", "die", "kill"])
 def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(tiny_data, tmp_path, fault, line):
-    """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here) or dies: rank
+    """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here), exits or is killed: rank
     1 names it in one line with the checkpoint to resume from, rank 0 says it lost contact;
     neither waits forever, nor prints a traceback."""
     out = tmp_path / "out"
@@ -144,6 +151,19 @@ def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(tiny_d
     assert "no checkpoint was written yet" in job.stderr, job.stderr
     assert "lost contact with another process" in job.stderr, job.stderr
     assert "Traceback" not in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("message, line", [
+    ("DataLoader worker (pid 4242) is killed by signal: Killed. ", "(pid 4242) ended: killed by signal: Killed (the"),
+    ("DataLoader worker (pid(s) 17, 18) exited unexpectedly", "(pid 17, 18) ended: exited unexpectedly (the"),
+    ("DataLoader timed out after 600 seconds", "gave no batch in 600 s: it hangs")], ids=["killed", "exited", "hangs"])
+def test_each_way_torch_reports_a_lost_loader_worker_is_one_line(message, line):
+    """The texts torch's DataLoader raises (its SIGCHLD check, its status check, its time-out),
+    as its source writes them: each becomes the one line naming the worker."""
+    from multi_train_utils.errors import loader_failure
+
+    assert line in (loader_failure(RuntimeError(message)) or "not recognised")
+    assert loader_failure(RuntimeError("something else")) is None
 
 
 def test_a_resume_inside_an_epoch_at_another_batch_size_puts_the_schedule_at_its_step(tiny_data, tmp_path):

@@ -51,8 +51,8 @@ Environment:
   PROBE_REFUSE_DATA_RANK R: rank R refuses the data with a UserError: rank 0 inside the listing
                   that it broadcasts (file_list.listed_once), another rank after it
   PROBE_LOADER_TIMEOUT seconds a loader waits for a worker's batch (loaders.WORKER_TIMEOUT_SECONDS)
-  PROBE_VAL_WORKER "hang:R" or "die:R": on rank R, the validation loader's worker hangs
-                  (sleeps an hour) or dies (os._exit) at its first image
+  PROBE_VAL_WORKER "hang:R", "die:R" or "kill:R": on rank R, the validation loader's worker
+                  hangs (sleeps an hour), exits (os._exit) or is killed (SIGKILL) at its first image
   PROBE_REMOVE_AT_EPOCH "E:PATH": delete the file PATH as epoch E begins (a data file that
                   vanishes while the run uses it)
   PROBE_FILE_LISTS "1": record the paths and labels of both datasets, the types that hold
@@ -414,6 +414,8 @@ if val_worker_fault and int(val_worker_rank) == rank:
             if probe_data.get_worker_info() is not None:
                 if val_worker_fault == "hang":
                     time.sleep(3600)
+                if val_worker_fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
                 os._exit(3)
             return self.dataset[index]
 
