@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from conftest import (PYTHON, REPO, TORCHRUN, free_port, full_flags, metrics_without_timing, read_metrics, run,
-                      script)
+                      run_ranks, script)
 from multi_train_utils.multi_label import MultiLabelLoss, positive_weights
 from multi_train_utils.multi_label_metrics import MultiLabelResult, average_precision, best_f1_threshold
 
@@ -422,14 +422,15 @@ def served(straight, lists):
         "go(export.main, ['--weights', out + '/model-best.pth'])\n"
         "go(export.main, ['--weights', out + '/model-best.pth', '--format', 'onnx'])\n"
         "go(predict.main, ['--weights', out + '/model-best.pt2', '--image', images, '--output', out + '/pt2.csv'])\n")
-    result = run([PYTHON, "-c", driver, str(out), os.path.join(lists["root"], "img")])
+    driver_file = out.parent / "served_driver.py"
+    driver_file.write_text(driver)
+    result = run([PYTHON, str(driver_file), str(out), os.path.join(lists["root"], "img")])
     assert result.returncode == 0, result.stdout + result.stderr
     worlds = {1: result.stdout.split("=== predict")[0].split("=== train_single")[1]}
     worlds["as trained"] = result.stdout.split("=== predict")[0].split("=== train_single")[2]  # the run's --amp
-    for world, batch in ((2, "3"), (3, "2")):
-        launched = run([*TORCHRUN, f"--nproc_per_node={world}", "--master_port", str(free_port()),
-                        script("train_multi_gpu.py"), "--eval-only", "--weights", str(out / "model-best.pth"),
-                        "--batch-size", batch, "--amp", "off"])  # float32, as predict.py
+    for world, batch in ((2, "3"), (3, "2")):  # ranks started as srun starts them (run_ranks)
+        launched = run_ranks(world, [PYTHON, script("train_multi_gpu.py"), "--eval-only", "--weights",
+                                     str(out / "model-best.pth"), "--batch-size", batch, "--amp", "off"])  # as predict.py
         assert launched.returncode == 0, launched.stdout + launched.stderr
         worlds[world] = launched.stdout
     return out, result, worlds

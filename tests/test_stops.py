@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import (PROBE, PYTHON, REPO, TORCHRUN, ScriptProcess, free_port, kill_tree, parse_flags, read_metrics, run,
-                      run_ranks, torchrun_passing_sigusr1, train_args)
+                      run_ranks, train_args)
 
 SHORT = ["--epochs", "2", "--workers", "0", "--print-freq", "1", "--checkpoint-every", "0"]
 
@@ -303,23 +303,6 @@ def test_a_utf16_list_file_is_refused_in_one_line_without_nul_bytes(tmp_path):
     assert str(error.value) == f"--train-list {path}: saved as UTF-16 text (NUL bytes); save it as UTF-8, a CSV " \
                                "file with the header path,label"
     assert "\x00" not in str(error.value)
-
-
-def test_torchrun_with_sigusr1_among_the_signals_it_handles_saves_and_exits_75(tiny_data, tmp_path):
-    """The documented torchrun: --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 passes
-    SIGUSR1 on to its workers, which save at one step and exit 75 (without the flag, SIGUSR1
-    ends torchrun and nothing is saved)."""
-    out = tmp_path / "out"
-    flags, env = torchrun_passing_sigusr1()
-    job = run([*TORCHRUN, "--nproc_per_node=2", *flags, "--master_port", str(free_port()), PROBE, "multi",
-               *train_args(tiny_data, out, *SHORT)],
-              env={"PROBE_STOP": "SIGUSR1:step-1-1:launcher", "PROBE_OUT": f"{out}.probe", **env})
-    import json
-
-    codes = [json.load(open(f"{out}.probe.rank{r}.json"))["exit_code"] for r in range(2)]
-    assert codes == [75, 75], job.stdout + job.stderr
-    assert "on a preemption notice (SIGUSR1), and saved the checkpoint" in job.stderr
-    assert torch.load(out / "checkpoint.pth", weights_only=True)["position"]["step"] == 2
 
 
 def test_a_run_without_ema_says_when_it_reached_the_target():

@@ -11,14 +11,14 @@ import csv
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from PIL import Image
 
-from conftest import REPO, free_port, subprocess_env
+from conftest import REPO, free_port
+from conftest import run as run_script
 
 USER_FILES = ("model.py", "my_dataset.py", "utils.py")
 # What the entry programs take from the user's files: the user's functions, handed to the engine.
@@ -114,8 +114,10 @@ def write_images(root, mode):
 
 
 def run(cmd, cwd, timeout=TIMEOUT):
-    """The finished process (the tests check its exit code: a failure is theirs, not the fixture's)."""
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    """The finished process (the tests check its exit code: a failure is theirs, not the fixture's),
+    forked from the prestarted Python in the copy's folder (whose files it imports, as a new
+    interpreter there would)."""
+    return run_script(cmd, timeout=timeout, cwd=cwd)
 
 
 def train_everything(tmp_path_factory, name, replace):

@@ -25,7 +25,8 @@ Environment:
                   Lists ("0,1" and "2,1") give each of those ranks its own step
   PROBE_RAISE_RANK R: rank R raises an exception at its first training step (before its
                   loader starts), or with PROBE_RAISE_STEP N in the forward of its step N
-  PROBE_HANG_RANK R: rank R stops responding at its first training step
+  PROBE_HANG_RANK R: rank R stops responding at its first training step, until SIGTERM or SIGUSR1
+                  (then it exits at once, rather than after torchrun's 30 s)
   PROBE_STUCK_DESTROY "1": destroying the process group never returns (as NCCL's can when a
                   peer is gone); the clean-up's bound becomes 2 s
   PROBE_COUNT_SYNCS "1": count DDP's gradient all-reduces (bucket by bucket) into the JSON
@@ -169,7 +170,11 @@ def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
     if os.environ.get("PROBE_RAISE_RANK") == str(rank) and not os.environ.get("PROBE_RAISE_STEP"):
         raise RuntimeError(f"probe: rank {rank} fails")
     if os.environ.get("PROBE_HANG_RANK") == str(rank):
-        time.sleep(3600)
+        from multi_train_utils.signals import notice_received
+
+        while notice_received() is None:  # hangs until a signal (torchrun's SIGTERM once another rank failed)
+            time.sleep(0.1)
+        os._exit(128 + notice_received())
     stop["epoch"] = epoch
     if epoch == 0:
         record["after_wrap"] = checksum(model)
