@@ -47,7 +47,8 @@ Environment:
                   first bytes), "inside_save" (likewise, in this process's first save inside
                   an epoch), "run_files" (as rank 0 writes args.json at the start). WHO:
                   "self" (every rank signals itself), "launcher" (rank 0
-                  signals its parent), or "rank0" / "rank1" (that rank alone signals itself).
+                  signals its parent), or "rank0" / "rank1" (that rank alone signals itself);
+                  only in torchrun's first attempt.
                   NAME "ENOSPC": the point raises the OSError of a full disk instead
   PROBE_REFUSE_DATA_RANK R: rank R refuses the data with a UserError: rank 0 inside the listing
                   that it broadcasts (file_list.listed_once), another rank after it
@@ -306,6 +307,8 @@ stop_name, stop_point, stop_who = (os.environ.get("PROBE_STOP", "").split(":") +
 
 def stop_here(point):
     """Send PROBE_STOP's signal if ``point`` is its point, this rank sends, and it was not sent yet."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return  # only in torchrun's first attempt
     if point != stop_point or stop.get("sent") or (stop_who == "launcher" and rank != 0) or \
             (stop_who.startswith("rank") and int(stop_who[4:]) != rank):
         return
