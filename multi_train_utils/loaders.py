@@ -6,6 +6,7 @@ import random
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
 
 from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.signals import reset_in_worker
@@ -69,6 +70,12 @@ class ShardSampler(Sampler):
     def __len__(self):
         return len(self.indices)
 
+
+# No tqdm monitor thread: it starts and stops with the progress bars, just before a loader forks
+# its workers, and on Python 3.11 a fork while another thread starts or exits can leave the
+# child waiting forever on the interpreter's lock (seen as a validation worker that never
+# delivers). The monitor only lowers a slow bar's refresh interval.
+tqdm.monitor_interval = 0
 
 # Workers of the validation loader: a short pass once an epoch, its workers started for each pass.
 MAX_VAL_WORKERS = 2

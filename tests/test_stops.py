@@ -321,3 +321,21 @@ def test_a_run_without_ema_says_when_it_reached_the_target():
     rows = [row(0, "0.4", "61.0"), row(1, "0.75", "122.4"), row(2, "0.9", "183.0")]
     assert time_to_target(Namespace(target_accuracy=0.75, multi_label=False), rows, 2) == (
         "run clock: the best epoch (2) after 3m03s of training; val accuracy 0.75 first reached at epoch 1, after 2m02s")
+
+
+def test_progress_bars_start_no_monitor_thread_that_a_loader_fork_could_race():
+    """The validation hang after a resume: a loader forked its worker while tqdm's monitor
+    thread was starting or exiting, and on Python 3.11 the child waited forever on the
+    interpreter's lock (gdb: PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept). The engine
+    turns tqdm's monitor thread off: a progress bar starts no thread."""
+    import threading
+
+    from tqdm import tqdm
+    from tqdm._monitor import TMonitor
+
+    import multi_train_utils.loaders  # noqa: F401 - what every entry script imports
+
+    with tqdm(total=2, disable=False, file=open(os.devnull, "w")) as bar:
+        bar.update(1)
+        monitors = [t for t in threading.enumerate() if isinstance(t, TMonitor)]
+    assert tqdm.monitor_interval == 0 and monitors == []
