@@ -66,7 +66,8 @@ def test_the_requeue_is_done_before_any_rank_exits(tiny_data, tmp_path, point):
                                       "PROBE_STOP": f"SIGUSR1:{point}:rank1"})
     calls = bin_dir / "calls.txt"
     assert (calls.read_text() if calls.exists() else "") == "requeue 91\n", codes
-    assert codes[0] == 75 and codes[1] in (75, -signal.SIGKILL)  # the first 75 may get the other killed
+    # both stop with 75; the first to exit may get the other killed (-9), whichever it is
+    assert 75 in codes and set(codes) <= {75, -signal.SIGKILL}, codes
 
 
 def test_a_refusal_on_rank_0_at_start_up_reaches_every_rank_in_seconds(tiny_data, tmp_path):
