@@ -32,7 +32,7 @@ from multi_train_utils.errors import UserError, printable, run_cli
 from multi_train_utils.exported import ANY_BATCH, RUN_FILE, SUFFIX, export_program, is_program, load_program, run_json
 from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
-from multi_train_utils.options import add_trained_model_flags
+from multi_train_utils.options import add_trained_model_flags, make_task
 from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
 
 TOLERANCE = 1e-4
@@ -106,15 +106,15 @@ def main(argv=None):
     if args.format == "pt2" and not is_program(output):
         raise UserError(f"--output {printable(output)}: a torch.export program's name must end in .pt2 "
                         "(torch.export.load reads it by that)")
-    trained = load_trained_model(args, create_model)
+    trained = load_trained_model(args, create_model, make_task)
     model, model_name, img_size, classes, channels = trained[:5]
 
     generator = torch.Generator().manual_seed(0)
     example = torch.randn(2, channels, img_size, img_size, generator=generator)
     resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
     run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "channels": channels,
-           "mean": trained.mean, "std": trained.std, "classes": classes, "multi_label": trained.multi_label,
-           "thresholds": trained.thresholds}
+           "mean": trained.mean, "std": trained.std, "classes": classes, "task": trained.task.name,
+           "multi_label": trained.task.name == "multi-label", "thresholds": trained.task.thresholds}
     unchecked = unchecked_path(output)
     try:
         with torch.no_grad():
@@ -129,7 +129,7 @@ def main(argv=None):
     finally:
         if os.path.exists(unchecked):
             os.remove(unchecked)  # never leave a file that was not checked
-    kind = "multi-label, " if trained.multi_label else ""
+    kind = "" if trained.task.name == "single-label" else f"{trained.task.name}, "
     print(printable(f"wrote {output} ({args.format}, {model_name}, {kind}{len(classes)} classes, input (N, {channels}, "
                     f"{img_size}, {img_size}): shorter side resized to {resize}, center-cropped, "
                     f"{normalisation_text(trained.mean, trained.std)}); max difference to the eager model on a check "

@@ -7,7 +7,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from multi_train_utils.errors import UserError
-from multi_train_utils.multi_label import MultiLabelLoss
+from multi_train_utils.options import task_of
 from multi_train_utils.process import get_world_size
 
 
@@ -48,14 +48,13 @@ def with_input_channels(model, channels):
 
 
 def create_loss(args, class_weights=None):
-    """The training loss: cross-entropy, with --label-smoothing and --class-weights' weights
-    (a tensor, one per class) where given. It takes class indices or, after MixUp/CutMix,
-    soft targets (a row of class probabilities per image). With --multi-label: binary
-    cross-entropy per class on multi-hot targets, ``class_weights`` then each class's positive
-    weight, smoothing toward 0.5. Edit here for your own loss."""
-    if args.multi_label:
-        return MultiLabelLoss(pos_weight=class_weights, label_smoothing=args.label_smoothing)
-    return nn.CrossEntropyLoss(weight=class_weights, label_smoothing=args.label_smoothing)
+    """The training loss: the task's (--task; task.py). Single-label: cross-entropy, with
+    --label-smoothing and --class-weights' weights (a tensor, one per class) where given; it
+    takes class indices or, after MixUp/CutMix, soft targets (a row of class probabilities per
+    image). With --multi-label: binary cross-entropy per class on multi-hot targets,
+    ``class_weights`` then each class's positive weight, smoothing toward 0.5. Edit here for
+    your own loss."""
+    return task_of(args).loss(class_weights, args.label_smoothing)
 
 
 def parameter_groups(model, decay_norm_and_bias=True):

@@ -28,10 +28,9 @@ from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
 from multi_train_utils.images import (IMG_EXTENSIONS, MODES, DeviceNormalizer, build_transforms, read_image_uint8,
                                      unreadable_reason)
-from multi_train_utils.multi_label import DEFAULT_THRESHOLD, predicted_names
-from multi_train_utils.options import add_trained_model_flags
+from multi_train_utils.options import add_trained_model_flags, make_task
 from multi_train_utils.run_files import (TrainedModel, load_trained_model, read_class_indices, read_val_resize_size,
-                                         trained_model_files)
+                                         task_of_run, trained_model_files)
 
 
 def get_args_parser():
@@ -113,16 +112,17 @@ class ImageFiles(Dataset):
 
 
 @torch.no_grad()
-def predict(model, loader, to_device, progress=True, multi_label=False):
+def predict(model, loader, to_device, progress=True, task=None):
     """Yield (index, probabilities) for each decodable image and (index, error) for the others;
-    ``to_device``: a DeviceNormalizer with the run's mean and std. Probabilities: softmax over
-    the classes, or with ``multi_label`` each class's sigmoid."""
+    ``to_device``: a DeviceNormalizer with the run's mean and std. Probabilities: ``task``'s
+    (softmax over the classes; multi-label: each class's sigmoid)."""
+    task = task or make_task("single-label")
     for images, indices, errors in tqdm(loader, desc="[predict]", disable=not progress, file=sys.stdout):
         for index, error in errors:
             yield index, error
         if images is not None:
             logits = model(to_device.normalize(images)).float()
-            probabilities = torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=1)
+            probabilities = task.probabilities(logits)
             yield from zip(indices, probabilities.cpu())
 
 
@@ -152,22 +152,20 @@ def main(argv=None):
         print(printable(f"warning: skipping folder {name}: {why}"))
     rows, skipped = [], len(unreadable_folders)
     to_device = DeviceNormalizer(device, mean=trained.mean, std=trained.std)
-    thresholds = trained.thresholds or [DEFAULT_THRESHOLD] * len(classes)
-    for index, result in predict(trained.model, loader, to_device, progress=folder, multi_label=trained.multi_label):
+    for index, result in predict(trained.model, loader, to_device, progress=folder, task=trained.task):
         if isinstance(result, str):
             skipped += 1
             tqdm.write(printable(f"warning: skipping {paths[index]}: {result}"), file=sys.stdout)
             continue
         rows.append((paths[index], result))
         if args.output is None:
-            tqdm.write(printable(f"{paths[index]}: " + describe_prediction(result, classes, thresholds, args.top_k,
-                                                                          trained.multi_label)), file=sys.stdout)
+            tqdm.write(printable(f"{paths[index]}: " + trained.task.describe(result, classes, args.top_k)),
+                       file=sys.stdout)
     if not rows:
         raise UserError(f"--image {printable(args.image)}: no image could be read (see the warnings above)")
     skipped_note = f"skipped {skipped} that could not be read (named above)" if skipped else "skipped none"
     if args.output:
-        write_csv_atomic(multi_label_rows(rows, classes, thresholds) if trained.multi_label else
-                         prediction_rows(rows, classes), args.output)
+        write_csv_atomic(trained.task.prediction_table(rows, classes), args.output)
         print(printable(f"wrote {len(rows)} prediction{'s' * (len(rows) != 1)} to {args.output}; {skipped_note}"))
     elif folder or skipped:
         print(f"predicted {len(rows)} image{'s' * (len(rows) != 1)}; {skipped_note}")
@@ -178,7 +176,7 @@ def load_model(args, device):
     resize): a .pth with its run's files, made by model.py's create_model, or a .pt2 from
     export.py."""
     if not is_program(args.weights):
-        trained = load_trained_model(args, create_model)
+        trained = load_trained_model(args, create_model, make_task)
         return trained._replace(model=trained.model.to(device)), read_val_resize_size(args, trained.img_size)
     given = [flag for flag, value in (("--model", args.model), ("--img-size", args.img_size)) if value is not None]
     if given:
@@ -188,40 +186,10 @@ def load_model(args, device):
     if len(classes) != len(run["classes"]):
         raise UserError(f"--class-indices {printable(args.class_indices)}: names {len(classes)} classes, the .pt2 "
                         f"predicts {len(run['classes'])}")
+    task = make_task(task_of_run(run), run["thresholds"])
     trained = TrainedModel(model, run["model"], run["img_size"], classes, channels=run["channels"],
-                           mean=run["mean"], std=run["std"], multi_label=run["multi_label"], thresholds=run["thresholds"])
+                           mean=run["mean"], std=run["std"], task=task)
     return trained, args.val_resize_size or run["val_resize_size"]
-
-
-def describe_prediction(probabilities, classes, thresholds, top_k, multi_label=False):
-    """One image's line: the ``top_k`` classes with their probabilities, or (multi-label) the
-    classes at or above their thresholds, most probable first."""
-    if multi_label:
-        chosen = predicted_names(probabilities, thresholds, classes)
-        return ", ".join(f"{name} {p:.3f}" for name, p in chosen) or "none of the classes reaches its threshold"
-    top = torch.topk(probabilities, min(top_k, len(classes)))
-    return ", ".join(f"{classes[int(i)]} {float(p):.3f}" for p, i in zip(top.values, top.indices))
-
-
-def multi_label_rows(rows, classes, thresholds):
-    """A multi-label CSV's rows: the header path, labels, then the classes in index order; per
-    image its path, its classes at or above their thresholds (space-separated, in index order)
-    and every class's probability."""
-    table = [["path", "labels", *classes]]
-    for path, probabilities in rows:
-        labels = " ".join(name for name, p, t in zip(classes, probabilities.tolist(), thresholds) if p >= t)
-        table.append([path, labels, *(f"{float(p):.6f}" for p in probabilities)])
-    return table
-
-
-def prediction_rows(rows, classes):
-    """The CSV's rows: a header, then path, prediction, its probability and every class's."""
-    table = [["path", "prediction", "probability", *classes]]
-    for path, probabilities in rows:
-        best = int(probabilities.argmax())
-        table.append([path, classes[best], f"{float(probabilities[best]):.6f}",
-                      *(f"{float(p):.6f}" for p in probabilities)])
-    return table
 
 
 if __name__ == "__main__":

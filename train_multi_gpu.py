@@ -36,7 +36,7 @@ from multi_train_utils.epoch_position import EpochBatchSampler
 from multi_train_utils.loaders import SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.model_setup import ModelSpec, build_model, use_sync_bn
-from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.options import get_args_parser, parse_args, task_of
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.run_log import RunLog
@@ -71,6 +71,7 @@ def main(argv=None):
                                     sharing=processes_sharing_cores(env, node_peers))
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
+    task = task_of(args)  # single-label, --multi-label or --task FILE.py:Class: labels, loss, metrics, reports
     init_distributed_mode(args, env, device, store)
     # ---- The data
     # --output-dir locked for this run (a second run into it stops here); then the data
@@ -80,7 +81,8 @@ def main(argv=None):
     #    rank finds a problem, all stop here. Each rank trains on its own shard of the shuffle
     #    (the same on all ranks), and validates on its shard of the validation set, without
     #    padding, so that every image counts exactly once.
-    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(args, build_datasets, device)
+    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(args, build_datasets, device,
+                                                                            task.several_labels)
     num_classes = len(data.classes)
     train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
     # A shuffle seeded by (--seed, epoch): the same on every rerun or resume. (--sampler
@@ -102,10 +104,10 @@ def main(argv=None):
     if use_sync_bn(args.sync_bn, device, env.distributed, compiled=args.compile, verbose=is_main):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model, channels_last = optimize_model(model, args, device, precision)  # channels_last, --compile, ...
-    settings = LoopSettings.from_args(args, precision, channels_last, data)  # data: its mean and std
+    settings = LoopSettings.from_args(args, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:
-        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args)
+        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args, settings.task)
         return
 
     # ---- How it learns (model.py: create_loss, create_optimizer, create_lr_scheduler)
@@ -117,11 +119,12 @@ def main(argv=None):
                        ema=make_model_ema(model, args))  # the scaler: fp16's loss scaling; --model-ema
     restore_training_state(state, checkpoint)  # resume: optimizer, scaler, EMA, generators, epoch (and step), best
     state.lr_scheduler = create_lr_scheduler(state.optimizer, args, len(train_loader), start_epoch=state.epoch)
-    state.loss_function = create_loss(args, loss_class_weights(args, train_set, num_classes))
+    state.loss_function = create_loss(args, loss_class_weights(task, args.class_weights, train_set, num_classes))
     state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     # ---- The epochs
-    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log)
+    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
+                           task=task)
     print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
                         resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
@@ -146,7 +149,8 @@ def main(argv=None):
 
 def spawn_processes(args, argv):
     """--spawn N: check the input, then start N local processes with torch.multiprocessing.spawn."""
-    load_data(args, build_datasets, world_size=args.spawn)  # bad input fails here, once, before any process starts
+    # bad input fails here, once, before any process starts
+    load_data(args, build_datasets, world_size=args.spawn, several_labels=task_of(args).several_labels)
     argv = sys.argv[1:] if argv is None else argv
     context = start_local_processes(main, args.spawn, argv)
     try:

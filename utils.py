@@ -22,4 +22,4 @@ def read_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_imag
     ``read_split_data`` returns them; without ``val_list`` the training list is split as
     folders are. ``multi_label``: the header ``path,labels``, each row's classes separated by
     spaces, and each image's labels a list of class indices."""
-    return split_label_files(train_list, val_list, val_rate, seed, check_images, multi_label=multi_label)
+    return split_label_files(train_list, val_list, val_rate, seed, check_images, several_labels=multi_label)

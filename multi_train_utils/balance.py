@@ -17,23 +17,37 @@ from torch.utils.data import DistributedSampler, Sampler
 from multi_train_utils.errors import UserError
 from multi_train_utils.process import get_rank, get_world_size
 from multi_train_utils.loaders import sample_seed
-from multi_train_utils.multi_label import is_multi_hot, positive_weights
 
 # Added to --seed so that the balanced draw is not the same stream as the model's or the
 # augmentations' seeds of the same (seed, epoch).
 _DRAW_SALT = 104_729
 
 
+def is_multi_hot(targets):
+    """Whether ``targets`` (a dataset's, or a batch's labels) are rows of one 0/1 entry per class."""
+    return getattr(targets, "ndim", 1) == 2
+
+
+def positives_per_class(targets):
+    """Images of each class (the column sums of the multi-hot ``targets``), as a list of ints."""
+    return np.asarray(targets).astype(np.int64).sum(axis=0).tolist()
+
+
+def labels_per_image(targets):
+    """How many classes each image carries (of multi-hot ``targets``), as an int64 array."""
+    return np.asarray(targets).astype(np.int64).sum(axis=1)
+
+
 def training_labels(dataset):
     """The label of every item of ``dataset`` (a ``SeededSamples`` is unwrapped), from its
-    ``targets`` (multi-label: an images x classes array); ``None`` where the dataset has none.
+    ``targets`` (multi-hot: an images x classes array); ``None`` where the dataset has none.
     Never reads an image."""
     while not hasattr(dataset, "targets") and hasattr(dataset, "dataset"):
         dataset = dataset.dataset  # SeededSamples, torch's Subset-like wrappers
     targets = getattr(dataset, "targets", None)
     if targets is None:
         return None
-    if is_multi_hot(targets):  # multi-label: the images x classes array itself
+    if is_multi_hot(targets):  # several classes an image: the images x classes array itself
         labels = np.asarray(targets)
     else:
         labels = targets.tolist() if isinstance(targets, np.ndarray) else [int(y) for y in targets]
@@ -65,22 +79,22 @@ def make_train_sampler(args, dataset, num_replicas=None, rank=None):
     return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=args.seed)
 
 
-def imbalance_warning(args, counts, classes):
+def imbalance_warning(args, counts, classes, remedy="--sampler balanced or --class-weights balanced"):
     """The start summary's warning line for training ``counts`` per class, or None (balanced
-    enough, or --sampler / --class-weights balanced already given)."""
+    enough, or --sampler / --class-weights balanced already given); ``remedy``: the flags that
+    help (where an image has several classes, the class weights alone)."""
     if args.sampler != "shuffle" or args.class_weights != "none":
         return None
     imbalance = find_imbalance_in_counts(counts, classes)
-    return None if imbalance is None else imbalance.warning(args.multi_label)
+    return None if imbalance is None else imbalance.warning(remedy)
 
 
-def loss_class_weights(args, dataset, num_classes):
-    """--class-weights balanced: ``class_weights`` of the training labels (--multi-label: each
-    class's positive weight, ``multi_label.positive_weights``); None for none."""
-    if args.class_weights != "balanced":
+def loss_class_weights(task, flag, dataset, num_classes):
+    """--class-weights ``flag``: for balanced, ``task``'s weights of the training labels
+    (one class an image: ``class_weights``; several: each class's positive weight); None for none."""
+    if flag != "balanced":
         return None
-    labels = required_labels(dataset, "--class-weights balanced")
-    return positive_weights(labels) if args.multi_label else class_weights(labels, num_classes)
+    return task.class_weights(required_labels(dataset, "--class-weights balanced"), num_classes)
 
 
 def label_counts(labels, num_classes):
@@ -114,10 +128,8 @@ class Imbalance(NamedTuple):
     smallest: str
     smallest_count: int
 
-    def warning(self, multi_label=False):
-        """The start summary's line: what is imbalanced, and the flags that help (multi-label:
-        the class weights alone)."""
-        flags = "--class-weights balanced" if multi_label else "--sampler balanced or --class-weights balanced"
+    def warning(self, flags="--sampler balanced or --class-weights balanced"):
+        """The start summary's line: what is imbalanced, and the ``flags`` that help."""
         return (f"the classes are imbalanced: {self.largest} has {self.largest_count} training images, "
                 f"{self.smallest} {self.smallest_count}; consider {flags}")
 

@@ -38,7 +38,8 @@ EARLIER_CHECKPOINTS = {"best_accuracy": -1.0, "best_epoch": -1, "best_source": "
                        "stopped_early": None, "file_list": None, "world_size": None, "best_report": None,
                        "position": None, "run_seconds": 0.0}
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
-                  "best_metric": "accuracy", "multi_label": False}
+                  "best_metric": "accuracy", "multi_label": False,
+                  "task": None}
 
 
 @dataclass
@@ -50,7 +51,7 @@ class BestEpoch:
     epoch: int = -1
     source: str = "model"  # "model" or "ema": whose weights model-best.pth holds
     confusion: Optional[torch.Tensor] = None  # for the confusion matrix picture at the end
-    report: Optional[dict] = None  # multi-label: per-class figures, thresholds, worst curves (MultiLabelResult.report)
+    report: Optional[dict] = None  # the task's own figures of the best epoch (Task.keep), for its end report
 
     @classmethod
     def from_checkpoint(cls, checkpoint):

@@ -30,7 +30,7 @@ class DataSplit(NamedTuple):
     skipped: List[str]  # files and folders left out: not readable as images, or symlink loops
     skip_reasons: Dict[str, str] = {}  # {skipped path: why}, e.g. "not a readable image: too many pixels ..."
     notes: List[str] = []  # other warnings: a class that gets no validation image
-    multi_label: bool = False  # labels are lists of class indices (an image of several classes, or none)
+    several_labels: bool = False  # labels are lists of class indices (an image of several classes, or none)
 
 
 def find_classes(root, flag="--data-path"):
@@ -195,17 +195,17 @@ def split_by_class(images, labels, classes, val_rate, seed):
     return train_images, train_labels, val_images, val_labels
 
 
-def _label_names(cell, header, multi_label, where):
+def _label_names(cell, header, several_labels, where):
     """The class names of one row's label cell: the cell itself under the header path,label;
     under path,labels (or with --multi-label) its space-separated names, each once. Without
     --multi-label a row must name exactly one class."""
-    if header == "label" and not multi_label:
+    if header == "label" and not several_labels:
         return (cell.strip(),) if cell.strip() else ()
     names = tuple(cell.split())
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UserError(f"{where}: the label {twice[0]!r} is there twice; list each of an image's classes once")
-    if len(names) > 1 and not multi_label:
+    if len(names) > 1 and not several_labels:
         raise UserError(f"{where}: {len(names)} labels ({cell.strip()!r}): an image of several classes needs "
                         "--multi-label")
     return names
@@ -224,11 +224,11 @@ def check_utf8_text(path, flag, what):
         raise UserError(f"{flag} {printable(path)}: saved as {kind} text (NUL bytes); save it as UTF-8, {what}")
 
 
-def _read_label_file(path, flag, multi_label=False):
+def _read_label_file(path, flag, several_labels=False):
     """[(image path, class names, line number)] of a CSV with a header ``path,label`` or
     ``path,labels`` (see ``_label_names``); image paths relative to the CSV's folder. A missing
     CSV, a wrong header or row, and a listed file that does not exist are errors naming the line."""
-    header_text = "path,labels" if multi_label else "path,label"
+    header_text = "path,labels" if several_labels else "path,label"
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file; give a CSV file with the header {header_text}")
     check_utf8_text(path, flag, f"a CSV file with the header {header_text}")
@@ -246,8 +246,8 @@ def _read_label_file(path, flag, multi_label=False):
                 if not any(field.strip() for field in row):
                     continue  # a blank line
                 where = f"{flag} {path}, line {reader.line_num}"
-                names = _label_names(row[1], header[1], multi_label, where) if len(row) == 2 else None
-                if names is None or not row[0].strip() or not (names or multi_label):
+                names = _label_names(row[1], header[1], several_labels, where) if len(row) == 2 else None
+                if names is None or not row[0].strip() or not (names or several_labels):
                     raise UserError(f"{where}: expected {header_text}; found {','.join(row)!r}")
                 image = os.path.normpath(os.path.join(folder, row[0].strip()))
                 if image in seen:
@@ -291,7 +291,7 @@ def split_at_random(images, labels, val_rate, seed):
     return tuple(values for part in parts for values in ([images[i] for i in part], [labels[i] for i in part]))
 
 
-def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False, multi_label=False):
+def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_images=False, several_labels=False):
     """Images and labels listed in CSV files (header ``path,label``, the label a class name,
     paths relative to the CSV), as ``split_class_folders`` returns them for folders.
 
@@ -301,11 +301,11 @@ def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_ima
     ``skipped``). A class of ``train_list`` left without images, a
     class in ``val_list`` that ``train_list`` lacks, and a missing file are errors.
 
-    ``multi_label``: the header ``path,labels``, each row's classes separated by spaces (none:
+    ``several_labels``: the header ``path,labels``, each row's classes separated by spaces (none:
     an image of no class); the classes are the sorted union of the training rows' classes, the
     labels lists of class indices, and without ``val_list`` the split is ``split_at_random``.
     """
-    rows = _read_label_file(train_list, "--train-list", multi_label)
+    rows = _read_label_file(train_list, "--train-list", several_labels)
     classes = sorted({name for _, names, _ in rows for name in names})
     if len(classes) < 2:
         raise UserError(f"--train-list {train_list}: found {len(classes)} class{'es' * (len(classes) != 1)} "
@@ -316,25 +316,25 @@ def split_label_files(train_list, val_list=None, val_rate=0.2, seed=0, check_ima
         if label not in present:
             raise UserError(f"--train-list {train_list}: class {name!r} has no readable images; "
                             "add images or remove its lines")
-    if not multi_label:
+    if not several_labels:
         labels = [image_labels[0] for image_labels in labels]
     if val_list is None:
-        split = split_at_random if multi_label else partial(split_by_class, classes=classes)
+        split = split_at_random if several_labels else partial(split_by_class, classes=classes)
         train_images, train_labels, val_images, val_labels = split(images, labels, val_rate=val_rate, seed=seed)
     else:
         train_images, train_labels = images, labels
-        val_rows = _read_label_file(val_list, "--val-list", multi_label)
+        val_rows = _read_label_file(val_list, "--val-list", several_labels)
         in_train = {image: line for image, _, line in rows}
         for image, _, line in val_rows:
             if image in in_train:
                 raise UserError(f"--val-list {val_list}, line {line}: {image} is in --train-list too (line "
                                 f"{in_train[image]}); validate on images the model does not train on")
         val_images, val_labels, val_skipped = _readable_rows(val_rows, classes, val_list, "--val-list", check_images)
-        val_labels = val_labels if multi_label else [image_labels[0] for image_labels in val_labels]
+        val_labels = val_labels if several_labels else [image_labels[0] for image_labels in val_labels]
         skipped.update(val_skipped)
     if not val_images:
         raise UserError(f"--val-rate {val_rate}: the validation split of {len(train_images)} images is empty; "
                         "raise --val-rate or give --val-list" if val_list is None else
                         f"--val-list {val_list}: none of its images can be read")
     return _nonempty_split((train_images, train_labels), (val_images, val_labels), classes, skipped,
-                           val_rate=val_rate, val_list=val_list)._replace(multi_label=multi_label)
+                           val_rate=val_rate, val_list=val_list)._replace(several_labels=several_labels)

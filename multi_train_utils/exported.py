@@ -13,10 +13,10 @@ from multi_train_utils.files import write_bytes_atomic
 SUFFIX = ".pt2"  # torch.export.load goes by it
 RUN_FILE = "run.json"  # inside a .pt2 (and an ONNX file's metadata): the run's settings, RUN_KEYS and the rest
 RUN_KEYS = ("model", "img_size", "val_resize_size", "mean", "std", "classes")  # a .pt2 must have them
-# What an earlier export.py did not write, as its programs were: RGB, one class an image. A
-# multi-label program's outputs are one logit per class, a class predicted where its sigmoid
-# reaches its threshold (None: 0.5 each).
-EARLIER_PROGRAMS = {"channels": 3, "multi_label": False, "thresholds": None}
+# What an earlier export.py did not write, as its programs were: RGB, one class an image. The
+# task says how the outputs read ("multi_label" before "task" was written); "thresholds": per
+# class, where the task predicts by thresholds (None: its default).
+EARLIER_PROGRAMS = {"channels": 3, "task": None, "multi_label": False, "thresholds": None}
 # torch.export's dynamic_shapes of the one input: any batch size, the rest as the example's
 ANY_BATCH = ({0: torch.export.Dim("batch", min=1)},)
 

@@ -89,7 +89,7 @@ def multi_hot(labels, num_classes):
 def compact_split(split):
     """``split`` (utils.DataSplit) with its paths as PathLists and its labels as arrays (a
     multi-label split's as multi-hot rows)."""
-    if split.multi_label:
+    if split.several_labels:
         labels = [multi_hot(split.train_images_label, len(split.classes)),
                   multi_hot(split.val_images_label, len(split.classes))]
     else:

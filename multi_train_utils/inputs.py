@@ -31,10 +31,10 @@ class RunInputs(NamedTuple):
     output_lock: Optional[RunLock]  # this run's hold on --output-dir (the writing rank's), until it exits
 
 
-def read_inputs(args, build_datasets, device):
+def read_inputs(args, build_datasets, device, several_labels=False):
     """Lock --output-dir (rank 0: the one process that writes there), then build the
-    datasets (``build_datasets(args)``, see my_dataset.py), read --weights and --resume and
-    check --output-dir: a UserError on bad input (which leaves nothing behind: the lock file
+    datasets (``build_datasets(args)``, see my_dataset.py; ``several_labels``: the task's
+    labels are rows of 0/1 per class), read --weights and --resume and check --output-dir: a UserError on bad input (which leaves nothing behind: the lock file
     goes again at exit if nothing was written).
 
     Every rank of a job checks the same input; if any finds a problem, all stop (the others
@@ -48,7 +48,8 @@ def read_inputs(args, build_datasets, device):
     # 1. the output folder, the checkpoint, the data made or downloaded: no collective inside
     lock, resume_path, checkpoint = check_on_every_rank(lambda: _prepare(args, local_rank, world_size, main), device)
     # 2. the datasets (a listing that rank 0 makes and broadcasts, and the checks of what they hold)
-    data = check_on_every_rank(lambda: load_data(args, build_datasets, local_rank, world_size, prepared=True), device)
+    data = check_on_every_rank(lambda: load_data(args, build_datasets, local_rank, world_size, prepared=True,
+                                                 several_labels=several_labels), device)
     # 3. the checkpoint against the data, and --weights
     weights = check_on_every_rank(lambda: _check_resume_and_weights(args, data, resume_path, checkpoint, main),
                                   device)
@@ -139,7 +140,7 @@ def resume_hint(args):
             "run the same command with --resume auto")
 
 
-def load_data(args, build_datasets, local_rank=0, world_size=1, prepared=False):
+def load_data(args, build_datasets, local_rank=0, world_size=1, prepared=False, several_labels=False):
     """Generate or download the data if asked (unless ``prepared``: done already, see
     ``prepare_data``), build the datasets and check them against the flags (and, for
     --eval-only, against the classes of the run that wrote --weights).
@@ -154,7 +155,7 @@ def load_data(args, build_datasets, local_rank=0, world_size=1, prepared=False):
         data = build_datasets(args)
     except OSError as e:  # a folder or file that build_datasets (yours, maybe) did not find
         raise UserError(f"my_dataset.build_datasets: {e}; check --data-path (or where your datasets read)") from None
-    check_datasets(data, args.multi_label)
+    check_datasets(data, several_labels)  # the task's labels: a class an image, or rows of 0/1
     found, where = len(data.classes), args.train_list or args.data_path
     if args.num_classes is not None and args.num_classes != found:
         raise UserError(
@@ -206,13 +207,13 @@ def prepare_data(args, local_rank=0, world_size=1):
             wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
 
 
-def check_datasets(data, multi_label=False):
+def check_datasets(data, several_labels=False):
     """What my_dataset.py's contract asks, checked before training: two datasets and 2 or more
     class names; a mean and std of one value per channel; labels that fit the classes
     (``targets``, and the first item's label); and, for a dataset other than MyDataSet, a
     first item (image, label) with image a uint8 CHW tensor of ``data.channels`` channels or
     a float one (in [0, 1] unless the mean is None), label an integer, or with
-    ``multi_label`` (--multi-label) a tensor of one 0/1 value per class."""
+    ``several_labels`` (--multi-label) a tensor of one 0/1 value per class."""
     if not all(hasattr(data, name) for name in ("train", "val", "classes")):
         raise UserError(f"my_dataset.build_datasets returned a {type(data).__name__}; return "
                         "Datasets(train, val, classes)")
@@ -230,20 +231,20 @@ def check_datasets(data, multi_label=False):
             raise UserError(f"{where} has the classes {list(own_classes)}, not {list(data.classes)}: its labels "
                             "would mean other classes; give both datasets the same class folders")
         if isinstance(dataset, MyDataSet):  # built in: its files and labels come from the split
-            _check_label_kind(dataset.images_class.ndim == 2, multi_label, where)
+            _check_label_kind(dataset.images_class.ndim == 2, several_labels, where)
             continue
         targets = getattr(dataset, "targets", None)
         if targets is not None:
-            _check_label_kind(getattr(targets, "ndim", 1) == 2, multi_label, where)
-            _check_labels(targets, len(data.classes), where, multi_label)
+            _check_label_kind(getattr(targets, "ndim", 1) == 2, several_labels, where)
+            _check_labels(targets, len(data.classes), where, several_labels)
         item = dataset[0]
         image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
-        if torch.is_tensor(label) and label.ndim == 1 and not multi_label:
-            _check_label_kind(True, multi_label, where + "'s first item")
-        if multi_label:
+        if torch.is_tensor(label) and label.ndim == 1 and not several_labels:
+            _check_label_kind(True, several_labels, where + "'s first item")
+        if several_labels:
             _check_multi_hot_label(label, len(data.classes), where)
         is_label = isinstance(label, numbers.Integral) or (torch.is_tensor(label) and label.numel() == 1
-                                                           and not label.is_floating_point()) or multi_label
+                                                           and not label.is_floating_point()) or several_labels
         if torch.is_tensor(image) and image.ndim == 3 and image.shape[0] != channels and is_label:
             raise UserError(f"{where}'s first image has {image.shape[0]} channel{'s' * (image.shape[0] != 1)}, "
                             f"the data says {channels} (Datasets.channels); give Datasets(..., "
@@ -259,21 +260,21 @@ def check_datasets(data, multi_label=False):
         if image.is_floating_point() and mean is not None and float(image.max()) > 1:
             raise UserError(f"{where}'s first image is float with values up to {float(image.max()):g}: give uint8 "
                             "images, or float ones in [0, 1] (v2.ToDtype(torch.float32, scale=True))")
-        if not multi_label:
+        if not several_labels:
             _check_labels([int(label)], len(data.classes), where + "'s first item")
 
 
-def _check_label_kind(multi_hot, multi_label, where):
-    """Multi-hot labels with --multi-label, class indices without it."""
-    if multi_hot and not multi_label:
+def _check_label_kind(multi_hot, several_labels, where):
+    """Multi-hot labels with ``several_labels`` (--multi-label), class indices without."""
+    if multi_hot and not several_labels:
         raise UserError(f"{where} has multi-hot labels (several classes an image): add --multi-label")
-    if multi_label and not multi_hot:
+    if several_labels and not multi_hot:
         raise UserError(f"--multi-label: {where} has one class an image (class folders are single-label); give "
                         "--train-list with the header path,labels, or datasets whose labels are multi-hot")
 
 
 def _check_multi_hot_label(label, num_classes, where):
-    """A multi-label item's label: a tensor of one value from 0 to 1 per class."""
+    """A multi-hot item's label: a tensor of one value from 0 to 1 per class."""
     if not (torch.is_tensor(label) and label.shape == (num_classes,)):
         found = f"a tensor of shape {tuple(label.shape)}" if torch.is_tensor(label) else f"a {type(label).__name__}"
         raise UserError(f"--multi-label: {where}'s first label is {found}; give a float tensor of {num_classes} "
@@ -301,10 +302,10 @@ def _check_normalisation(data):
         raise UserError(f"{where}.std is {list(std)}: every value must be positive")
 
 
-def _check_labels(labels, num_classes, where, multi_label=False):
-    """Labels must be integers in range(num_classes); multi-label targets an images x
-    num_classes array of values from 0 to 1."""
-    if multi_label:
+def _check_labels(labels, num_classes, where, several_labels=False):
+    """Labels must be integers in range(num_classes); with ``several_labels``, targets an
+    images x num_classes array of values from 0 to 1."""
+    if several_labels:
         shape = tuple(getattr(labels, "shape", ()))
         if len(shape) != 2 or shape[1] != num_classes:
             raise UserError(f"{where}: its targets have the shape {shape}, not (images, {num_classes}): one row of "

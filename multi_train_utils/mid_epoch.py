@@ -70,10 +70,7 @@ class MidEpochCheckpoints:
                 self.write(position)
             except Exception as e:  # noqa: BLE001 - the others must learn of it, then it is raised
                 error = e
-        if not agree(error is None, loss_sum.device):
-            if error is not None:
-                raise error
-            raise MidRunError("rank 0 could not write the checkpoint inside the epoch (its error says why)")
+        raise_if_failed(not agree(error is None, loss_sum.device), error, "the checkpoint inside the epoch")
         self.saved()
         if notice:
             self._stop(f"stopped at epoch {position.epoch}, step {position.step} on a preemption notice "

@@ -5,7 +5,7 @@ uint8 images, so they run here on the normalised float batch on the device, insi
 ``torch.random.fork_rng`` with the CPU generator seeded from (seed, epoch, step, rank): the
 global generators are left as they were, and each batch's mixing depends on nothing else.
 The targets become soft (one row of class probabilities per image, summing to 1), which
-``nn.CrossEntropyLoss`` takes as they are. Multi-hot targets (--multi-label) are mixed alike:
+``nn.CrossEntropyLoss`` takes as they are. Multi-hot targets (a row of 0/1 per class) are mixed alike:
 lam y + (1 - lam) y' of the two images mixed (each entry from 0 to 1, for the BCE).
 """
 import torch
@@ -22,13 +22,13 @@ class BatchMixer:
     """``(images, labels) -> (mixed images, soft targets)`` with MixUp (``mixup_alpha`` > 0),
     CutMix (``cutmix_alpha`` > 0), or one of the two chosen at random for each batch (both)."""
 
-    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0, seed=0, rank=0, multi_label=False):
+    def __init__(self, num_classes, mixup_alpha=0.0, cutmix_alpha=0.0, seed=0, rank=0):
         if mixup_alpha <= 0 and cutmix_alpha <= 0:
             raise ValueError("BatchMixer needs mixup_alpha or cutmix_alpha above 0")
-        self.alphas, self.multi_label = (mixup_alpha, cutmix_alpha), multi_label
+        self.alphas = (mixup_alpha, cutmix_alpha)
         self.mix = self._mixer(num_classes)
         self.seed, self.rank = seed, rank
-        self._row_mixers = {}  # multi-label: by batch size
+        self._row_mixers = {}  # for multi-hot targets: by batch size
 
     def _mixer(self, num_classes):
         """torchvision's MixUp, CutMix, or a random choice of the two, for ``num_classes``."""
@@ -54,7 +54,7 @@ class BatchMixer:
         with torch.random.fork_rng(devices=[]):  # the draws are on the CPU generator only
             # the CPU generator alone: torch.manual_seed would reseed every GPU's generator too
             torch.default_generator.manual_seed(sample_seed(sample_seed(self.seed + _MIX_SALT, epoch, step), self.rank, 0))
-            images, targets = self._mix_rows(images, labels) if self.multi_label else self.mix(images, labels)
+            images, targets = self._mix_rows(images, labels) if labels.ndim == 2 else self.mix(images, labels)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, targets
@@ -62,8 +62,8 @@ class BatchMixer:
 
 def make_batch_mixer(args, num_classes, rank=None):
     """The BatchMixer of --mixup-alpha / --cutmix-alpha (seeded per rank: this process's by
-    default; multi-hot targets with --multi-label), or None when both are 0."""
+    default), or None when both are 0."""
     rank = get_rank() if rank is None else rank
     if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
         return None
-    return BatchMixer(num_classes, args.mixup_alpha, args.cutmix_alpha, args.seed, rank, multi_label=args.multi_label)
+    return BatchMixer(num_classes, args.mixup_alpha, args.cutmix_alpha, args.seed, rank)

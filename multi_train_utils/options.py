@@ -3,20 +3,26 @@
 Those of train_single.py and train_multi_gpu.py, with --demo's defaults and --eval-only's
 run settings, and the trained-model flags of predict.py and export.py."""
 import argparse
+import importlib
+import importlib.util
 import math
 import os
 import re
 import shutil
+import sys
 
-from multi_train_utils.errors import UserError
+from multi_train_utils.errors import UserError, printable
+from multi_train_utils.multi_label import MultiLabel
 from multi_train_utils.run_files import read_run_args
+from multi_train_utils.single_label import SingleLabel
+from multi_train_utils.task import Task
 
 # What --demo changes, unless given on the command line: a small model and small images so
 # that the demo trains in a few minutes on a laptop CPU.
 DEMO_DEFAULTS = {"data_path": "data/demo", "model": "resnet18", "img_size": 96, "epochs": 3, "lr": 0.01}
 
 # What --eval-only takes from the run that wrote the weights, unless given.
-RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "multi_label", "amp")
+RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "multi_label", "task", "amp")
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
@@ -155,7 +161,11 @@ def add_data_flags(group):
                        help="with --train-list: the validation CSV (default: split --train-list)")
     group.add_argument("--multi-label", action="store_true",
                        help="an image may carry several classes (or none): --train-list with the header path,labels, "
-                            "each row's classes separated by spaces; one sigmoid per class (docs/multi-label.md)")
+                            "each row's classes separated by spaces; one sigmoid per class (docs/multi-label.md); "
+                            "the same as --task multi-label")
+    group.add_argument("--task", default=None, metavar="TASK",
+                       help="what the labels are: single-label (default), multi-label, or FILE.py:ClassName, a "
+                            "task.Task subclass of yours (docs/layout.md, \"A task of your own\")")
     group.add_argument("--val-rate", type=finite_float, default=0.2, help="share of each class held out for validation")
     group.add_argument("--check-images", action=argparse.BooleanOptionalAction, default=False,
                        help="open every image before training and skip those that fail (slow on large data; "
@@ -226,9 +236,9 @@ def add_run_flags(group):
                        metavar="K", help="keep the last K model-{epoch}.pth; 0 keeps all; "
                                          "default: 1, the last epoch's")
     group.add_argument("--best-metric", default=None,
-                       choices=["accuracy", "balanced_accuracy", "macro_f1", "loss", "map", "micro_f1"],
-                       help="validation metric that picks model-best.pth (loss: the lowest); default: accuracy, or "
-                            "map with --multi-label (map and micro_f1: multi-label only)")
+                       help="validation metric that picks model-best.pth (loss: the lowest): accuracy (the default), "
+                            "balanced_accuracy, macro_f1 or loss; with --multi-label map (its default), micro_f1, "
+                            "macro_f1, accuracy (exact match) or loss; a task of yours: its metrics")
     group.add_argument("--tune-thresholds", action="store_true",
                        help="--multi-label: per class, the threshold of the best F1 on validation at the best epoch, "
                             "kept in thresholds.json for predict.py and the export (default: 0.5 each)")
@@ -297,10 +307,11 @@ def parse_args(parser, argv=None):
         take_run_settings(args, given)
     if args.weight_decay is None:  # each optimizer's usual value
         args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
+    task = make_task(choose_task_name(args))
     if args.best_metric is None:
-        args.best_metric = "map" if args.multi_label else "accuracy"
+        args.best_metric = task.metrics[0]
     check_numbers(args)
-    check_multi_label_flags(args)
+    check_task_flags(args, task)
     check_requeue(args)
     check_data_flags(args, given)
     check_complete(args)
@@ -362,8 +373,6 @@ def check_numbers(args):
                         "(the center crop is taken from the resized image)")
 
 
-MULTI_LABEL_METRICS = ("map", "micro_f1")  # only multi-label runs have them
-SINGLE_LABEL_METRICS = ("balanced_accuracy",)  # undefined with several classes an image
 
 
 def check_requeue(args):
@@ -382,25 +391,37 @@ def check_requeue(args):
                         "where this one stopped")
 
 
-def check_multi_label_flags(args):
-    """The flags that need --multi-label, and those it cannot go with."""
-    if args.multi_label:
-        if args.sampler == "balanced":
-            raise UserError("--sampler balanced with --multi-label: an image of several classes has no one class to "
-                            "balance by; use --class-weights balanced (a positive weight per class)")
-        if args.best_metric in SINGLE_LABEL_METRICS:
-            raise UserError(f"--best-metric {args.best_metric}: not defined with --multi-label; use map (the "
-                            f"default), micro_f1, macro_f1, accuracy (exact match) or loss")
-        if args.demo or args.download:
-            raise UserError(f"--multi-label with --{'demo' if args.demo else 'download'}: those make class folders, "
-                            "one class an image; give --train-list with the header path,labels")
-        return
-    if args.best_metric in MULTI_LABEL_METRICS:
-        raise UserError(f"--best-metric {args.best_metric}: for --multi-label runs; add --multi-label or use "
-                        "accuracy, balanced_accuracy, macro_f1 or loss")
-    if args.tune_thresholds:
+def choose_task_name(args):
+    """args.task from --task and --multi-label (the same as --task multi-label): the task's name."""
+    if args.multi_label and args.task not in (None, "multi-label"):
+        raise UserError(f"--multi-label with --task {printable(args.task)}: give one of them")
+    args.task = "multi-label" if args.multi_label else (args.task or "single-label")
+    args.multi_label = args.task == "multi-label"  # args.json's older readers go by it
+    return args.task
+
+
+def check_task_flags(args, task):
+    """The flags a task cannot go with: a --best-metric it has not, --tune-thresholds where it
+    has no thresholds, and, where labels are rows (several classes an image), --sampler
+    balanced and the class folders of --demo and --download."""
+    flag = "--multi-label" if args.multi_label else f"--task {printable(args.task)}"
+    if args.best_metric not in task.metrics:
+        if args.best_metric in MultiLabel.metrics and not task.several_labels:
+            raise UserError(f"--best-metric {args.best_metric}: for --multi-label runs; add --multi-label or use "
+                            f"{', '.join(task.metrics[:-1])} or {task.metrics[-1]}")
+        raise UserError(f"--best-metric {printable(args.best_metric)}: not defined with "
+                        f"{flag if args.task != 'single-label' else 'single-label runs'}; use "
+                        f"{', '.join(task.metrics[:-1])} or {task.metrics[-1]}")
+    if args.tune_thresholds and not task.tunes_thresholds:
         raise UserError("--tune-thresholds is for --multi-label runs (one threshold per class); add --multi-label "
                         "or drop it")
+    if task.several_labels:
+        if args.sampler == "balanced":
+            raise UserError(f"--sampler balanced with {flag}: an image of several classes has no one class to "
+                            "balance by; use --class-weights balanced (a positive weight per class)")
+        if args.demo or args.download:
+            raise UserError(f"{flag} with --{'demo' if args.demo else 'download'}: those make class folders, "
+                            "one class an image; give --train-list with the header path,labels")
 
 
 def check_data_flags(args, given=()):
@@ -430,3 +451,49 @@ def add_trained_model_flags(parser, takes_pt2=False):
                              "weights, else round(img-size x 256/224))")
     parser.add_argument("--class-indices", default=None,
                         help="class_indices.json (default: the one beside the weights)")
+
+
+def task_of(args):
+    """The task the flags ask for (--task, --multi-label): a task.Task."""
+    return make_task(args.task or ("multi-label" if getattr(args, "multi_label", False) else "single-label"))
+
+
+def make_task(name, thresholds=None):
+    """The task ``name``: "single-label", "multi-label", or "FILE.py:Class" / "module:Class"
+    (a Task subclass of yours); a UserError naming --task where it cannot be had."""
+    built_in = {"single-label": SingleLabel, "multi-label": MultiLabel}
+    if name in built_in:
+        return built_in[name](thresholds)
+    where, _, attribute = str(name).rpartition(":")
+    if not where or not attribute:
+        raise UserError(f"--task {printable(name)}: give single-label, multi-label, or FILE.py:ClassName of a Task "
+                        "subclass of yours (docs/layout.md)")
+    try:
+        module = _import(where, name)
+        task_class = getattr(module, attribute)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's file may raise anything while it is imported
+        raise UserError(f"--task {printable(name)}: cannot be loaded ({type(e).__name__}: {printable(str(e))}); "
+                        "give FILE.py:ClassName of a Task subclass") from None
+    if not (isinstance(task_class, type) and issubclass(task_class, Task)):
+        raise UserError(f"--task {printable(name)}: {attribute} is not a subclass of multi_train_utils.task.Task")
+    task = task_class(thresholds)
+    task.name = name
+    return task
+
+
+def _import(where, name):
+    """A module by its file's path (FILE.py) or its dotted name (``name``: the --task value)."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    if not os.path.isfile(where):
+        raise UserError(f"--task {printable(name)}: no such file {printable(where)}; give FILE.py:ClassName")
+    name = "user_task_" + os.path.splitext(os.path.basename(where))[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, where)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: pickling and dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module

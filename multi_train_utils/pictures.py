@@ -207,18 +207,19 @@ def plot_batch_preview(images, labels, classes):
     return fig
 
 
-def plot_training_curves(rows):
-    """Loss, validation accuracy (a multi-label run's: mAP; and the EMA's, where metrics.csv
-    has it) and learning rate per epoch, from metrics.csv's rows."""
+def plot_training_curves(rows, headline=None):
+    """Loss, the validation ``headline`` (metric, in words: the task's; by default mAP where
+    every row has one, else accuracy; and the EMA's, where metrics.csv has it) and learning
+    rate per epoch, from metrics.csv's rows."""
     from matplotlib.ticker import MaxNLocator
 
     epochs = [int(r["epoch"]) for r in rows]
-    multi_label = bool(rows) and all(r.get("val_map") for r in rows)
-    metric, ema_metric = ("val_map", "ema_val_map") if multi_label else ("val_accuracy", "ema_val_accuracy")
+    if headline is None:
+        headline = ("map", "mAP") if rows and all(r.get("val_map") for r in rows) else ("accuracy", "accuracy")
+    metric, ema_metric = f"val_{headline[0]}", f"ema_val_{headline[0]}"
     fig = _figure(12, 3.4)
     for ax, key, title in zip(fig.subplots(1, 3), ("train_loss", metric, "lr"),
-                              ("training loss", "validation mAP" if multi_label else "validation accuracy",
-                               "learning rate")):
+                              ("training loss", f"validation {headline[1]}", "learning rate")):
         ax.plot(epochs, [float(r[key]) for r in rows], marker="o", markersize=3)
         if key == metric and rows and all(r.get(ema_metric) for r in rows):
             ax.plot(epochs, [float(r[ema_metric]) for r in rows], marker="o", markersize=3)

@@ -7,22 +7,19 @@ import weakref
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
 from multi_train_utils.errors import MidRunError, loader_failure, one_line, resource_error
-from multi_train_utils.balance import training_labels
+from multi_train_utils.balance import is_multi_hot, labels_per_image, training_labels
 from multi_train_utils.files import cpu_tensors, link_atomic, save_atomic
-from multi_train_utils.multi_label import is_multi_hot, labels_per_image
-from multi_train_utils.multi_label_report import save_multi_label_report
 from multi_train_utils.pictures import (PLOT_FILES, plot_batch_preview, plot_class_distribution, plot_label_distribution,
-                                        plot_training_curves, save_confusion_matrix, save_figure)
+                                        plot_training_curves, save_figure)
 from multi_train_utils.inputs import file_list_fingerprint, resume_hint
 from multi_train_utils.mid_epoch import MidEpochCheckpoints, agree_on_write
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
-from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, MULTI_LABEL_COLUMNS, args_to_dict,
-                                         clear_earlier_run, images_of, model_epoch_files, write_metrics,
-                                         write_run_settings, write_thresholds)
+from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, args_to_dict, clear_earlier_run, images_of,
+                                         model_epoch_files, write_metrics, write_run_settings)
+from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.signals import arm_notices
 from multi_train_utils.summary import class_counts, print_end_summary
-from multi_train_utils.train_eval_utils import is_better
 
 
 class RunRecorder:
@@ -43,9 +40,10 @@ class RunRecorder:
     """
 
     def __init__(self, args, data, state=None, checkpoint=None, resume_path=None, run_log=None, enabled=None,
-                 world_size=None):
+                 world_size=None, task=None):
         self.enabled = is_main_process() if enabled is None else enabled
         self.args = args
+        self.task = task or SingleLabel()  # what the evaluations mean: their cells, line, best and report
         self.classes = data.classes
         self.world_size = get_world_size() if world_size is None else world_size
         # which files it trains on: a resume compares
@@ -98,13 +96,13 @@ class RunRecorder:
         write_run_settings(self.output_dir, args, self.classes, images_of(data))  # args.json, class_indices.json
         if checkpoint and checkpoint["position"]:  # inside an epoch: the epoch files are those of the epoch before
             self.resume_lines = self._describe_resume(checkpoint, resume_path)
-            write_metrics(self.output_dir, self.rows)
+            write_metrics(self.output_dir, self.rows, metrics_header(self.task))
         elif checkpoint:
             self.resume_lines = self._describe_resume(checkpoint, resume_path)
             self._write_epoch_files(int(checkpoint["epoch"]), checkpoint["model"],
                                     (checkpoint["model_ema"] or {}).get("weights"))
         else:
-            write_metrics(self.output_dir, self.rows)
+            write_metrics(self.output_dir, self.rows, metrics_header(self.task))
         from torch.utils.tensorboard import SummaryWriter  # slow import: only where needed
 
         self.writer = SummaryWriter(log_dir=self.log_dir,
@@ -156,11 +154,8 @@ class RunRecorder:
                 save_atomic(ema_weights, best_file)
             else:
                 link_atomic(epoch_file, best_file)  # the same bytes: not written twice
-        report = self.state.best.report
-        if report is not None:  # multi-label: the thresholds of model-best.pth
-            write_thresholds(self.output_dir, self.classes, report["thresholds"], self.args.tune_thresholds,
-                             self.state.best.epoch)
-        write_metrics(self.output_dir, self.rows)
+        self.task.write_best_files(self.output_dir, self.classes, self.state.best, tuned=self.args.tune_thresholds)
+        write_metrics(self.output_dir, self.rows, metrics_header(self.task))
         self._prune(epoch)
 
     @contextlib.contextmanager
@@ -227,32 +222,30 @@ class RunRecorder:
         weights = cpu_tensors(plain_state_dict(state.model))  # copied off the GPU once for the three files
         ema_state = cpu_tensors(state.ema.state_dict()) if state.ema is not None else None
         self.rows = [r for r in self.rows if int(r[0]) < epoch]
-        self.rows.append([epoch, f"{train_stats.mean_loss:.6f}", f"{eval_result.accuracy:.6f}",
-                          f"{train_stats.last_lr:.8g}", f"{train_stats.images_per_second:.2f}",
-                          f"{seconds + train_stats.earlier_seconds:.3f}",
-                          *metric_cells(eval_result, top5=True), *metric_cells(ema_result), source,
-                          *multi_label_cells(eval_result, ema_result), f"{state.clock.seconds():.3f}"])
+        cells = {"epoch": epoch, "train_loss": f"{train_stats.mean_loss:.6f}", "lr": f"{train_stats.last_lr:.8g}",
+                 "images_per_second": f"{train_stats.images_per_second:.2f}",
+                 "epoch_seconds": f"{seconds + train_stats.earlier_seconds:.3f}", "best_source": source,
+                 "run_seconds": f"{state.clock.seconds():.3f}", **self.task.cells(eval_result, ema_result)}
+        self.rows.append([cells.get(column, "") for column in metrics_header(self.task)])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, build_checkpoint(
             state, weights, ema_state, metrics=self.rows, args=args_to_dict(self.args), classes=self.classes,
             file_list=self.file_list, world_size=self.world_size, log_dir=self.log_dir))
         self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)
-        print(epoch_line(epoch, train_stats, eval_result, ema_result), flush=True)
+        print(epoch_line(epoch, train_stats, eval_result, ema_result, self.task), flush=True)
 
     def _update_best(self, epoch, eval_result, ema_result):
         """The state's best epoch, if the model or its EMA (whichever scores better) beat it;
         returns which of the two scored better this epoch."""
-        metric, best = self.args.best_metric, self.state.best
+        metric, best, task = self.args.best_metric, self.state.best, self.task
         source, result = "model", eval_result
-        if ema_result is not None and is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
+        if ema_result is not None and task.is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
             source, result = "ema", ema_result
-        if is_better(metric, result.metric(metric), best.value):
-            best.value, best.accuracy, best.epoch = result.metric(metric), result.accuracy, epoch
-            best.source, best.confusion = source, result.confusion
-            if self.args.multi_label:  # the best epoch's per-class figures, at the thresholds the run keeps
-                tuned = result.with_thresholds(result.tuned_thresholds()) if self.args.tune_thresholds else result
-                best.report = tuned.report()
+        if task.is_better(metric, result.metric(metric), best.value):
+            best.value, best.accuracy, best.epoch, best.source = result.metric(metric), result.accuracy, epoch, source
+            kept = task.keep(result, tune=True) if self.args.tune_thresholds else task.keep(result)
+            best.confusion, best.report = kept["confusion"], kept["report"]
         return source
 
     def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
@@ -261,13 +254,8 @@ class RunRecorder:
                            ("images_per_second", train_stats.images_per_second)):
             self.writer.add_scalar(tag, value, epoch)
         for prefix, result in (("", eval_result), ("ema/", ema_result)):
-            if result is None:
-                continue
-            for name in ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy", "map", "micro_f1",
-                         "micro_precision", "micro_recall"):
-                if getattr(result, name, None) is not None:
-                    self.writer.add_scalar(prefix + name, getattr(result, name), epoch)
-            self.writer.add_scalar(prefix + "val_loss", result.loss, epoch)
+            for name, value in (self.task.scalars(result) if result is not None else {}).items():
+                self.writer.add_scalar(prefix + name, value, epoch)
         self.writer.flush()
 
     def _prune(self, epoch):
@@ -314,12 +302,10 @@ class RunRecorder:
         if not self.enabled:
             return
         plots = self._plot_results() if self.args.plots else []
-        if self.state.best.report is not None:  # multi-label: the best epoch's per-class table (and pictures)
-            plots += save_multi_label_report(self.state.best.report, self.classes, self.output_dir,
-                                             f"best epoch {self.state.best.epoch}", writer=self.writer,
-                                             step=self._last_epoch(), pictures=self.args.plots)
+        plots += self.task.report_best(self.state.best, self.classes, self.output_dir, writer=self.writer,
+                                       step=self._last_epoch(), pictures=self.args.plots)
         print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots,
-                          classes=self.classes, rows=self.rows)
+                          classes=self.classes, rows=self.rows, task=self.task)
         self.close()
 
     def _last_epoch(self):
@@ -327,19 +313,10 @@ class RunRecorder:
 
     def _plot_results(self):
         last = self._last_epoch()
-        rows = [dict(zip(METRICS_HEADER, row)) for row in self.rows]
-        save_figure(plot_training_curves(rows), self._plot_path("curves"), self.writer, "summary/curves", last)
-        plots = self.drawn + ["curves"]
-        best = self.state.best
-        if self.args.multi_label:
-            return plots  # no confusion matrix: finish draws the per-class AP and precision-recall curves
-        if best.confusion is not None:
-            plots += save_confusion_matrix(best.confusion, self.classes, self.output_dir,
-                                           f"best epoch {best.epoch}, validation", writer=self.writer, step=last)
-        else:  # a checkpoint from before confusion matrices were kept, and no better epoch since
-            print(f"note: no confusion matrix of the best epoch {best.epoch} was kept; draw one with "
-                  f"--eval-only --weights {os.path.join(self.output_dir, 'model-best.pth')} --eval-output DIR")
-        return plots
+        rows = [dict(zip(metrics_header(self.task), row)) for row in self.rows]
+        save_figure(plot_training_curves(rows, self.task.headline), self._plot_path("curves"), self.writer,
+                    "summary/curves", last)
+        return self.drawn + ["curves"]
 
     def close(self):
         if self.writer is not None:
@@ -348,42 +325,15 @@ class RunRecorder:
             self.run_log.close()
 
 
-def metric_cells(result, top5=False):
-    """metrics.csv's cells of an evaluation: loss, balanced accuracy, macro-F1 (and, with
-    ``top5``, top-5 accuracy, empty with 5 classes or fewer; the EMA's cells start with its
-    accuracy); all empty for no evaluation (no --model-ema)."""
-    if result is None:
-        return [""] * 4
-    balanced = "" if result.balanced_accuracy is None else f"{result.balanced_accuracy:.6f}"  # None: multi-label
-    cells = [f"{result.loss:.6f}", balanced, f"{result.macro_f1:.6f}"]
-    if top5:
-        return cells + ["" if result.top5_accuracy is None else f"{result.top5_accuracy:.6f}"]
-    return [f"{result.accuracy:.6f}"] + cells
+def metrics_header(task):
+    """metrics.csv's columns: METRICS_HEADER, then the columns ``task`` adds."""
+    return METRICS_HEADER + [column for column in task.columns if column not in METRICS_HEADER]
 
 
-def multi_label_cells(result, ema_result=None):
-    """metrics.csv's multi-label cells (MULTI_LABEL_COLUMNS): mAP, micro F1, precision and
-    recall, the EMA's mAP; empty for a single-label run."""
-    if getattr(result, "map", None) is None:
-        return [""] * len(MULTI_LABEL_COLUMNS)
-    cells = [f"{value:.6f}" for value in (result.map, result.micro_f1, result.micro_precision, result.micro_recall)]
-    return cells + [f"{ema_result.map:.6f}" if ema_result is not None else ""]
-
-
-def epoch_line(epoch, train_stats, eval_result, ema_result=None):
-    """The line printed after each epoch: loss, validation accuracy with its counts (and the
-    images left out), top-5 (more than 5 classes), the EMA's accuracy, learning rate, speed;
-    multi-label: mAP first, the accuracy is exact match."""
-    ema_text = f"  ema_val_accuracy: {ema_result.accuracy:.4f}" if ema_result is not None else ""
-    if getattr(eval_result, "map", None) is not None:
-        ema_text = f"  ema_val_map: {ema_result.map:.4f}" if ema_result is not None else ""
-        left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
-        return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_map: {eval_result.map:.4f}  "
-                f"exact_match: {eval_result.accuracy:.4f} ({eval_result.correct}/{eval_result.total}{left_out})  "
-                f"micro_f1: {eval_result.micro_f1:.4f}{ema_text}  lr: {train_stats.last_lr:.3g}  "
-                f"{train_stats.images_per_second:.1f} img/s")
-    top5 = f"  val_top5: {eval_result.top5_accuracy:.4f}" if eval_result.top5_accuracy is not None else ""
-    left_out = f", {eval_result.left_out} unreadable left out" if eval_result.left_out else ""
-    return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  val_accuracy: {eval_result.accuracy:.4f} "
-            f"({eval_result.correct}/{eval_result.total}{left_out}){top5}{ema_text}  lr: {train_stats.last_lr:.3g}  "
+def epoch_line(epoch, train_stats, eval_result, ema_result=None, task=None):
+    """The line printed after each epoch: loss, ``task``'s validation figures (single-label:
+    accuracy with its counts and the images left out, top-5 with more than 5 classes, the
+    EMA's accuracy), learning rate, speed."""
+    figures = (task or SingleLabel()).epoch_text(eval_result, ema_result)
+    return (f"[epoch {epoch}] train_loss: {train_stats.mean_loss:.4f}  {figures}  lr: {train_stats.last_lr:.3g}  "
             f"{train_stats.images_per_second:.1f} img/s")

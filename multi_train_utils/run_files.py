@@ -21,15 +21,13 @@ from multi_train_utils.weights import load_exact_weights, load_state_dict_file
 ARGS_FILE = "args.json"
 CLASSES_FILE = "class_indices.json"
 METRICS_FILE = "metrics.csv"
-THRESHOLDS_FILE = "thresholds.json"  # multi-label: each class's threshold, for predict.py and the export
+THRESHOLDS_FILE = "thresholds.json"  # per class, where a task predicts by thresholds: for predict.py and the export
 # The tutorial's six columns first (scripts that read them keep working), then the others:
 # the EMA's columns are empty without --model-ema, val_top5_accuracy with 5 classes or fewer.
 METRICS_HEADER = ["epoch", "train_loss", "val_accuracy", "lr", "images_per_second", "epoch_seconds",
                   "val_loss", "val_balanced_accuracy", "val_macro_f1", "val_top5_accuracy",
                   "ema_val_accuracy", "ema_val_loss", "ema_val_balanced_accuracy", "ema_val_macro_f1", "best_source",
                   "val_map", "val_micro_f1", "val_micro_precision", "val_micro_recall", "ema_val_map", "run_seconds"]
-# The columns only a multi-label run fills (empty in single-label runs).
-MULTI_LABEL_COLUMNS = METRICS_HEADER[METRICS_HEADER.index("val_map"):METRICS_HEADER.index("run_seconds")]
 # Every file a training run writes into --output-dir, besides model-<epoch>.pth; --overwrite
 # removes these names and no others (a model-final-for-paper.pth of yours stays).
 BEST_WEIGHTS = "model-best.pth"
@@ -43,7 +41,7 @@ EPOCH_WEIGHTS = r"model-(0|[1-9][0-9]*)\.pth"
 RUN_ARGS_READ_BACK = {"model": TEXT, "img_size": WHOLE_NUMBER, "val_rate": NUMBER, "seed": WHOLE_NUMBER,
                       "data_path": TEXT_OR_NULL, "val_path": TEXT_OR_NULL, "train_list": TEXT_OR_NULL,
                       "val_list": TEXT_OR_NULL, "val_resize_size": WHOLE_NUMBER_OR_NULL, "images": MAPPING_OR_NULL,
-                      "multi_label": FLAG, "amp": (lambda v: v in ("auto", "bf16", "fp16", "off"),
+                      "multi_label": FLAG, "task": TEXT_OR_NULL, "amp": (lambda v: v in ("auto", "bf16", "fp16", "off"),
                                                    "one of auto, bf16, fp16, off")}
 # What the run's images are (Datasets' channels, mean and std), in args.json under "images";
 # a run written before they were kept had RGB images normalised with ImageNet's.
@@ -159,35 +157,20 @@ def read_run_classes(run_dir):
     return read_class_indices(path) if os.path.isfile(path) else None
 
 
-def write_thresholds(output_dir, classes, thresholds, tuned, epoch):
-    """thresholds.json of a multi-label run: {"classes": {name: threshold}, "tuned": whether
-    --tune-thresholds chose them, "epoch": the best epoch's}, atomically."""
-    write_json_atomic({"classes": {name: float(t) for name, t in zip(classes, thresholds)}, "tuned": bool(tuned),
-                       "epoch": int(epoch)}, os.path.join(output_dir, THRESHOLDS_FILE))
-
-
-def read_thresholds(run_dir, classes):
-    """The thresholds in ``run_dir``'s thresholds.json, one per class of ``classes`` in their
-    order, or None if there is no such file; a UserError if its classes differ."""
-    path = os.path.join(run_dir, THRESHOLDS_FILE)
-    if not os.path.isfile(path):
-        return None
-    values = read_json(path)
-    named = values.get("classes") if isinstance(values, dict) else None
-    if not isinstance(named, dict) or sorted(named) != sorted(classes):
-        raise UserError(f"{path}: does not hold one threshold for each of the classes {list(classes)}; delete it "
-                        "(0.5 each) or train again")
-    check_fields(named, {name: NUMBER for name in classes}, path, "give numbers from 0 to 1, or delete it")
-    return [float(named[name]) for name in classes]
+def task_of_run(run_args):
+    """The task name of a run's args.json (before "task" was written: from "multi_label")."""
+    run_args = run_args or {}
+    return run_args.get("task") or ("multi-label" if run_args.get("multi_label") else "single-label")
 
 
 # --- metrics.csv ----------------------------------------------------------------------------------
 
-def write_metrics(output_dir, rows):
-    """metrics.csv: the header, then one row (a list of values) per epoch, atomically; rows of
-    a checkpoint written before the later columns existed get empty cells there."""
-    padded = [list(row) + [""] * (len(METRICS_HEADER) - len(row)) for row in rows]
-    write_csv_atomic([METRICS_HEADER, *padded], os.path.join(output_dir, METRICS_FILE))
+def write_metrics(output_dir, rows, header=METRICS_HEADER):
+    """metrics.csv: the ``header`` (a task's columns after METRICS_HEADER), then one row (a
+    list of values) per epoch, atomically; rows of a checkpoint written before the later
+    columns existed get empty cells there."""
+    padded = [list(row) + [""] * (len(header) - len(row)) for row in rows]
+    write_csv_atomic([header, *padded], os.path.join(output_dir, METRICS_FILE))
 
 
 def read_metrics(run_dir):
@@ -254,8 +237,8 @@ def read_run_images(weights):
 
 
 class TrainedModel(NamedTuple):
-    """A run's trained model, in eval mode, and what it takes and tells (multi-label: one
-    sigmoid per class, each with its threshold)."""
+    """A run's trained model, in eval mode, and what it takes and tells (``task``: how its
+    outputs read, as the run left it)."""
 
     model: Any
     name: str  # --model
@@ -264,14 +247,14 @@ class TrainedModel(NamedTuple):
     channels: int = 3
     mean: Optional[Sequence[float]] = IMAGENET_MEAN  # None: images used as they come
     std: Optional[Sequence[float]] = IMAGENET_STD
-    multi_label: bool = False
-    thresholds: Optional[List[float]] = None  # multi-label: one per class (None: 0.5 each)
+    task: Any = None  # a task.Task: what the outputs mean (default single-label)
 
 
-def load_trained_model(args, create_model):
+def load_trained_model(args, create_model, make_task):
     """The trained model of --weights, made by the user's ``create_model`` (model.py) and
     loaded strictly, with its image size, class names (from the run's args.json and
-    class_indices.json unless given) and what its images are."""
+    class_indices.json unless given), what its images are, and its task (``make_task`` of
+    the run's, as the run left it)."""
     name, img_size, classes = read_run_settings(args.weights, args.model, args.img_size, args.class_indices)
     images = read_run_images(args.weights)
     spec = ModelSpec(create_model, name, len(classes), img_size, images["channels"])
@@ -279,7 +262,6 @@ def load_trained_model(args, create_model):
     model = spec.build()
     load_exact_weights(model, load_state_dict_file(args.weights), f"--weights {args.weights}")
     run_dir = os.path.dirname(os.path.abspath(args.weights))
-    multi_label = bool((read_run_args(run_dir) or {}).get("multi_label", False))
-    thresholds = read_thresholds(run_dir, classes) if multi_label else None
+    task = make_task(task_of_run(read_run_args(run_dir))).read_run_files(run_dir, classes)
     return TrainedModel(model.eval(), name, img_size, classes, channels=images["channels"], mean=images["mean"],
-                        std=images["std"], multi_label=multi_label, thresholds=thresholds)
+                        std=images["std"], task=task)

@@ -4,25 +4,21 @@ import os
 import torch
 import torch.distributed as dist
 
-from multi_train_utils.balance import imbalance_warning, label_counts, training_labels
+from multi_train_utils.balance import (imbalance_warning, is_multi_hot, label_counts, labels_per_image,
+                                      positives_per_class, training_labels)
 from multi_train_utils.distributed_utils import current_job
 from multi_train_utils.example_data import DEMO_MARKER
 from multi_train_utils.errors import printable
-from multi_train_utils.files import csv_text, folder_bytes, format_bytes, write_text_atomic
+from multi_train_utils.files import folder_bytes, format_bytes
 from multi_train_utils.images import JPEG_DECODER
 from multi_train_utils.model_setup import count_parameters
-from multi_train_utils.multi_label import is_multi_hot, labels_per_image, positives_per_class
-from multi_train_utils.multi_label_report import (MAX_CLASSES_LISTED, WORST_SHOWN, overall_rows, print_class_lines,
-                                                  print_multi_label_evaluation, save_multi_label_report)
-from multi_train_utils.pictures import PLOT_FILES, most_confused_pairs, save_confusion_matrix
+from multi_train_utils.pictures import PLOT_FILES
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
 from multi_train_utils.run_files import METRICS_HEADER
+from multi_train_utils.single_label import SingleLabel
+from multi_train_utils.task import MAX_CLASSES_LISTED
 
 RULE = "-" * 78
-# What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
-EVALUATION_FILES = ("overall_metrics.csv", "per_class_metrics.csv")
-# Beyond MAX_CLASSES_LISTED classes the summary and the evaluation report name only the extremes:
-# WORST_SHOWN classes of lowest recall (multi-label: AP), and most-confused pairs.
 
 
 def describe_device(device):
@@ -57,7 +53,7 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
     print(f"world size: {world_size} ({launcher}, backend {backend}), device: {where}")
     print(f"amp: {settings.precision.describe()}, channels_last: {'on' if settings.channels_last else 'off'}"
           + (", compiled" if args.compile else "") + (", grad-checkpoint" if args.grad_checkpoint else ""))
-    print_data_summary(args, data)
+    print_data_summary(args, data, settings.task)
     trainable = count_parameters(model, trainable_only=True)
     total = count_parameters(model)
     print(f"model: {args.model} ({total:,} parameters"
@@ -124,21 +120,21 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def time_to_target(args, rows, best_epoch):
-    """The end summary's line on the run's clock (metrics.csv's run_seconds): the time to the
-    best epoch and, with --target-accuracy, when val accuracy (multi-label: mAP), of the model
-    or its EMA, first reached it."""
-    rows = [dict(zip(METRICS_HEADER, row)) for row in rows]
+def time_to_target(args, rows, best_epoch, task=None, header=METRICS_HEADER):
+    """The end summary's line on the run's clock (metrics.csv's run_seconds, of rows in the
+    order of ``header``): the time to the best epoch and, with --target-accuracy, when the
+    ``task``'s headline (val accuracy; multi-label: mAP), of the model or its EMA, first
+    reached it."""
+    name, label = (task or SingleLabel()).headline
+    rows = [dict(zip(header, row)) for row in rows]
     seconds = {int(r["epoch"]): float(r["run_seconds"]) for r in rows if r.get("run_seconds") not in (None, "")}
     parts = []
     if best_epoch in seconds:
         parts.append(f"the best epoch ({best_epoch}) after {format_duration(seconds[best_epoch])} of training")
     target = args.target_accuracy
     if target is not None:
-        name = "map" if args.multi_label else "accuracy"
         reached = [int(r["epoch"]) for r in rows
                    if max(float(r[f"val_{name}"] or "nan"), float(r[f"ema_val_{name}"] or "nan")) >= target]
-        label = "mAP" if args.multi_label else "accuracy"
         if reached and reached[0] in seconds:
             parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}, after "
                          f"{format_duration(seconds[reached[0]])}")
@@ -147,12 +143,13 @@ def time_to_target(args, rows, best_epoch):
     return "run clock: " + "; ".join(parts) if parts else None
 
 
-def print_end_summary(args, state, seconds, plots=(), classes=(), rows=()):
+def print_end_summary(args, state, seconds, plots=(), classes=(), rows=(), task=None):
     """Best --best-metric and its epoch (``state.best``), whose weights model-best.pth holds
     (the model's or its EMA's), why the run stopped early if it did, the time taken (``seconds``),
     the run's clock (``time_to_target`` of metrics.csv's ``rows``), and where the weights and
-    ``plots`` are; a multi-label run's per-class figures of the best epoch (of ``classes``) and
-    its thresholds."""
+    ``plots`` are; what ``task`` says of the best epoch (of ``classes``; multi-label: its
+    per-class figures and thresholds)."""
+    task = task or SingleLabel()
     output_dir, epoch = args.output_dir, state.best.epoch
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
@@ -160,17 +157,12 @@ def print_end_summary(args, state, seconds, plots=(), classes=(), rows=()):
         print(state.stop_reason)
     print(f"best val {args.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
           f"{format_duration(seconds)}")
-    clock = time_to_target(args, rows, epoch)
+    clock = time_to_target(args, rows, epoch, task, METRICS_HEADER + [c for c in task.columns if c not in METRICS_HEADER])
     if clock:
         print(clock)
     source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"
     print(f"best weights: {best} ({source}, epoch {epoch})")
-    report = state.best.report
-    if report is not None:  # multi-label: the best epoch's classes, and its thresholds
-        print_class_lines(report, classes)
-        tuned = "tuned for each class's best F1 on validation (--tune-thresholds)" if args.tune_thresholds else \
-            "0.5 each (--tune-thresholds picks each class's)"
-        print(f"thresholds: {tuned}; in {os.path.join(output_dir, 'thresholds.json')}")
+    task.print_best(state.best, classes, output_dir, tuned=args.tune_thresholds)
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")
@@ -182,8 +174,9 @@ def print_end_summary(args, state, seconds, plots=(), classes=(), rows=()):
     print(RULE, flush=True)
 
 
-def print_data_summary(args, data):
-    """Rank 0's description of the data: images per class and split sizes, skipped files."""
+def print_data_summary(args, data, task=None):
+    """Rank 0's description of the data: images per class and split sizes, skipped files;
+    an imbalance warning names the flags that help ``task``."""
     if not args.demo and not args.train_list and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
         print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
     reasons = getattr(data, "skip_reasons", None) or {}
@@ -209,7 +202,8 @@ def print_data_summary(args, data):
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
-    warning = imbalance_warning(args, train, data.classes) if train is not None else None
+    remedy = (task or SingleLabel()).balance_flags
+    warning = imbalance_warning(args, train, data.classes, remedy) if train is not None else None
     if warning:
         print(f"warning: {warning}", flush=True)
 
@@ -242,88 +236,14 @@ def class_counts(dataset, classes):
     return positives_per_class(labels) if is_multi_hot(labels) else label_counts(labels, len(classes))
 
 
-def print_evaluation(result, classes):
-    """Per-class accuracy lines, per-class precision, recall and F1 (with more than
-    MAX_CLASSES_LISTED classes: the worst of them by recall, and the most-confused pairs),
-    balanced accuracy and macro-F1, top-5 (more than 5 classes), the images left out, then
-    ``top1 accuracy: 0.812500 (130/160)`` as the last line."""
-    if len(classes) > MAX_CLASSES_LISTED:
-        print_worst_classes(result, classes)
-    else:
-        print_every_class(result, classes)
-    print(f"balanced accuracy: {result.balanced_accuracy:.6f}  macro-F1: {result.macro_f1:.6f}")
-    if result.left_out:
-        print(f"left out: {result.left_out} validation image(s) that could not be read (see the warnings)")
-    if result.top5_accuracy is not None:
-        print(f"top5 accuracy: {result.top5_accuracy:.6f} ({result.top5_correct}/{result.total})")
-    print(f"top1 accuracy: {result.accuracy:.6f} ({result.correct}/{result.total})", flush=True)
-
-
-def print_worst_classes(result, classes, shown=WORST_SHOWN):
-    """The ``shown`` classes of lowest recall with their precision and F1, then the most-confused
-    pairs of classes; the whole table is per_class_metrics.csv's (--eval-output)."""
-    recall, precision, f1 = result.recall, result.precision, result.f1
-    measured = [c for c in range(len(classes)) if recall[c] == recall[c]]  # not nan: the class has images
-    worst = sorted(measured, key=lambda c: (recall[c], c))[:shown]
-    width = max(len(classes[c]) for c in worst) if worst else 0
-    print(f"the {len(worst)} classes of lowest recall (of {len(classes)}; all of them: per_class_metrics.csv "
-          "with --eval-output), recall  precision  F1:")
-    images = result.confusion.sum(dim=1).tolist()
-    for c in worst:
-        print(f"  {classes[c]:<{width}}  {recall[c]:.6f} ({int(result.confusion[c, c])}/{images[c]})  "
-              f"{precision[c]:.6f}  {f1[c]:.6f}")
-    pairs = most_confused_pairs(result.confusion, shown)
-    if pairs:
-        print("most confused (true -> predicted: images):")
-        for true, predicted, count in pairs:
-            print(f"  {classes[true]} -> {classes[predicted]}: {count}")
-
-
-def print_every_class(result, classes):
-    """A line per class: its accuracy; then a line per class: precision, recall, F1."""
-    width = max(len(c) for c in classes)
-    for i, name in enumerate(classes):
-        row = result.confusion[i]
-        total, correct = int(row.sum()), int(row[i])
-        print(f"  {name:<{width}}  {correct / max(1, total):.6f} ({correct}/{total})")
-    # nan where undefined (EvalResult says when): a made-up 0 would read as a measured one
-    print("per-class precision, recall, F1 (nan: never predicted / no images / neither):")
-    for name, values in zip(classes, zip(result.precision, result.recall, result.f1)):
-        print(f"  {name:<{width}}  " + "  ".join(f"{v:.6f}" for v in values))
-
-
-def evaluation_metrics_csv(result, classes):
-    """(overall_metrics.csv, per_class_metrics.csv) as CSV text: ``metric,value`` rows (top-5
-    only with more than 5 classes), and a row per class with its counts, precision, recall
-    and F1 (nan where undefined, as EvalResult defines)."""
-    overall = [["metric", "value"], ["top1_accuracy", result.accuracy]]
-    if result.top5_accuracy is not None:
-        overall.append(["top5_accuracy", result.top5_accuracy])
-    overall += [["balanced_accuracy", result.balanced_accuracy], ["macro_f1", result.macro_f1],
-                ["images", result.total], ["left_out", result.left_out]]
-    per_class = [["class", "images", "predicted", "correct", "precision", "recall", "f1"]]
-    images, predicted = result.confusion.sum(dim=1).tolist(), result.confusion.sum(dim=0).tolist()
-    for i, name in enumerate(classes):
-        per_class.append([name, images[i], predicted[i], int(result.confusion[i, i]),
-                          result.precision[i], result.recall[i], result.f1[i]])
-    return csv_text(overall), csv_text(per_class)
-
-
-def report_evaluation(result, data, args):
-    """What --eval-only prints (data, per-class and overall metrics) and, with --eval-output,
-    writes (the confusion matrix as PNG and CSV, overall_metrics.csv, per_class_metrics.csv).
-    Rank 0 only: the other ranks return at once."""
+def report_evaluation(result, data, args, task=None):
+    """What --eval-only prints (data, then ``task``'s per-class and overall metrics) and, with
+    --eval-output, writes (single-label: the confusion matrix as PNG and CSV,
+    overall_metrics.csv, per_class_metrics.csv). Rank 0 only: the other ranks return at once."""
     if not is_main_process():
         return
-    print_data_summary(args, data)
-    if args.multi_label:
-        print_multi_label_evaluation(result, data.classes)
-        if args.eval_output:
-            save_multi_label_report(result.report(), data.classes, args.eval_output, printable(args.weights))
-            write_text_atomic(csv_text(overall_rows(result)), os.path.join(args.eval_output, EVALUATION_FILES[0]))
-        return
-    print_evaluation(result, data.classes)
+    task = task or SingleLabel()
+    print_data_summary(args, data, task)
+    task.print_evaluation(result, data.classes)
     if args.eval_output:
-        save_confusion_matrix(result.confusion, data.classes, args.eval_output, args.weights)
-        for text, name in zip(evaluation_metrics_csv(result, data.classes), EVALUATION_FILES):
-            write_text_atomic(text, os.path.join(args.eval_output, name))
+        task.write_evaluation(result, data.classes, args.eval_output, printable(args.weights))

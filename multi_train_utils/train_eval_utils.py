@@ -16,14 +16,13 @@ from tqdm import tqdm
 from multi_train_utils.checkpoint import restore_rng
 from multi_train_utils.epoch_position import MIN_IMAGES_PER_RANK
 from multi_train_utils.model_setup import set_train_mode
-from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum, broadcast_buffers, reduce_value
+from multi_train_utils.distributed_utils import broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
 from multi_train_utils.datasets import images_info
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer
-from multi_train_utils.multi_label_metrics import MultiLabelResult, ratio
-from multi_train_utils.multi_label_metrics import nanmean as _nanmean  # mean of the defined values; 0.0 when none is
 from multi_train_utils.performance import Precision
-from multi_train_utils.run_files import read_thresholds
+from multi_train_utils.single_label import SingleLabel
+from multi_train_utils.task import Task
 from multi_train_utils.process import get_rank, get_world_size, is_main_process
 
 # Steps at the start of an epoch left out of its images/s: worker start-up, first kernels.
@@ -57,110 +56,24 @@ class LoopSettings:
     print_freq: int = 20  # steps between loss updates of the progress bar (each is a host sync)
     mean: Optional[Sequence[float]] = IMAGENET_MEAN  # the data's, per channel (None: images used as they come)
     std: Optional[Sequence[float]] = IMAGENET_STD
-    multi_label: bool = False  # targets are multi-hot rows; evaluation ranks every score (--multi-label)
-    thresholds: Optional[Sequence[float]] = None  # multi-label: one per class (None: 0.5 each)
+    task: Task = field(default_factory=SingleLabel)  # what evaluation counts (task.py)
 
     @classmethod
-    def from_args(cls, args, precision, channels_last, data=None):
-        """The flags' settings, with the precision and memory format chosen for the device and
-        the normalisation of ``data`` (a Datasets; default ImageNet's). --multi-label evaluates
-        at 0.5 a class while training, and --eval-only at the thresholds of the run that wrote
-        --weights (its thresholds.json), as predict.py does."""
+    def from_args(cls, args, precision, channels_last, data=None, task=None):
+        """The flags' settings, with the precision and memory format chosen for the device,
+        the normalisation of ``data`` (a Datasets; default ImageNet's) and ``task`` (default
+        single-label). --eval-only evaluates as the run that wrote --weights left the task (a
+        multi-label run: at its thresholds.json, as predict.py does)."""
         _, mean, std = images_info(data) if data is not None else (3, IMAGENET_MEAN, IMAGENET_STD)
-        thresholds = None
-        if args.multi_label and args.eval_only and data is not None:
-            thresholds = read_thresholds(os.path.dirname(os.path.abspath(args.weights)), data.classes)
+        task = task or SingleLabel()
+        if args.eval_only and data is not None:
+            task = task.read_run_files(os.path.dirname(os.path.abspath(args.weights)), data.classes)
         return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq, mean=mean, std=std,
-                   multi_label=args.multi_label, thresholds=thresholds)
+                   task=task)
 
     def normalizer(self, device):
         """What moves a batch to ``device`` as normalised floats, in this memory format."""
         return DeviceNormalizer(device, self.channels_last, self.mean, self.std)
-
-
-@dataclass
-class EvalResult:
-    """Counts of a validation pass, summed over ranks: the confusion matrix (rows are true
-    classes, columns predictions) and, with more than 5 classes, the top-5 hits.
-
-    Empty denominators: a class with no validation images has recall nan and is left out of
-    balanced accuracy; a class never predicted has precision nan; a class with neither images
-    nor predictions has F1 nan and is left out of macro-F1 (it tells nothing about the model).
-    A class with images but no predictions, or predictions but no images, has F1 0.
-    """
-
-    confusion: torch.Tensor
-    top5_correct: Optional[int] = None  # None with 5 classes or fewer, where top-5 is always 100 %
-    loss_sum: float = math.nan  # cross-entropy summed over the images (no smoothing, no class weights)
-    left_out: int = 0  # validation images that could not be read (not in the counts)
-
-    @property
-    def correct(self):
-        return int(self.confusion.diag().sum())
-
-    @property
-    def total(self):
-        return int(self.confusion.sum())
-
-    def _per_class(self, denominators):
-        """Diagonal over ``denominators`` per class as floats, nan where a denominator is 0."""
-        return ratio(self.confusion.diag(), denominators)
-
-    @property
-    def recall(self):
-        """Per-class recall (correct / validation images of the class); nan for a class
-        without validation images."""
-        return self._per_class(self.confusion.sum(dim=1)).tolist()
-
-    @property
-    def precision(self):
-        """Per-class precision (correct / predictions of the class); nan for a class the
-        model never predicted."""
-        return self._per_class(self.confusion.sum(dim=0)).tolist()
-
-    @property
-    def f1(self):
-        """Per-class F1 = 2 TP / (2 TP + FP + FN), which is 0 rather than undefined when only
-        precision is; nan for a class with neither images nor predictions."""
-        return self._per_class((self.confusion.sum(dim=0) + self.confusion.sum(dim=1)).div(2)).tolist()
-
-    @property
-    def balanced_accuracy(self):
-        """Mean recall over the classes that have validation images (0.0 when none has)."""
-        return _nanmean(self.recall)
-
-    @property
-    def macro_f1(self):
-        """Mean F1 over the classes with validation images or predictions (0.0 when none)."""
-        return _nanmean(self.f1)
-
-    @property
-    def top5_accuracy(self):
-        """Share of images whose class is among the 5 highest logits; None with 5 classes or fewer."""
-        if self.top5_correct is None:
-            return None
-        return self.top5_correct / max(1, self.total)
-
-    @property
-    def accuracy(self):
-        return self.correct / max(1, self.total)
-
-    @property
-    def loss(self):
-        """Mean validation cross-entropy per image (plain: no label smoothing, no class weights)."""
-        return self.loss_sum / max(1, self.total)
-
-    def metric(self, name):
-        """The value of --best-metric ``name``: accuracy, balanced_accuracy, macro_f1 or loss."""
-        return getattr(self, name)
-
-
-def is_better(metric, value, best):
-    """Whether ``value`` of ``metric`` beats ``best`` (None: nothing yet): lower for the loss,
-    higher for the others."""
-    if best is None:
-        return True
-    return value < best if metric == "loss" else value > best
 
 
 def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoints=None):
@@ -372,85 +285,27 @@ class LossDisplay:
 
 @torch.no_grad()
 def evaluate(model, data_loader, device, num_classes, settings=None):
-    """Exact validation: each rank predicts its own shard, then counts are summed over ranks.
+    """Exact validation: each rank passes its own shard through ``settings.task``'s tally,
+    which combines every rank's counts (or scores) at the end, each image once.
 
     Every rank first takes rank 0's BatchNorm statistics, so the figure is that of the
     weights rank 0 saves. Runs the module inside DDP, not the wrapper: ranks may have
     different numbers of batches, and DDP's forward may broadcast buffers, a collective the
-    shorter rank would never join. The counts stay on the device until the end (no host sync
+    shorter rank would never join. The tally stays on the device until the end (no host sync
     per batch), and a short last batch is padded to the batch size (``pad_batch``). An image
     labelled LEFT_OUT (-1: the dataset could not read it) is not counted but in ``left_out``.
-
-    Multi-label (``settings.multi_label``): returns a MultiLabelResult of every image's scores,
-    gathered from all ranks (see ``evaluate_multi_label``).
     """
     settings = settings or LoopSettings()
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     broadcast_buffers(model)
     model.eval()
-    if settings.multi_label:
-        return evaluate_multi_label(model, data_loader, device, num_classes, settings)
-    # One counter tensor, so one all-reduce: the confusion matrix, the top-5 hits, the images left out.
-    cells = num_classes * num_classes
-    top5 = num_classes > 5
-    counts = torch.zeros(cells + 2, dtype=torch.int64, device=device)
-    loss_sum = loss_accumulator(device)
+    tally = settings.task.evaluation(num_classes, device)
     for images, labels, weights in validation_batches(data_loader, device, settings):
-        left_out = labels < 0
-        counts[cells + 1:].add_((left_out * weights).sum())
-        weights, labels = weights * ~left_out, labels.clamp(min=0)
         with settings.precision.autocast():
             logits = model(images)
-        predictions = logits.argmax(dim=1)
-        # index_add_, not bincount: bincount reads its input's min and max back to the host.
-        counts[:cells].index_add_(0, labels * num_classes + predictions, weights)
-        if top5:
-            hits = (logits.topk(5, dim=1).indices == labels[:, None]).any(dim=1)
-            counts[cells:cells + 1].add_((hits * weights).sum())  # weights: padded rows count 0
-        losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
-        loss_sum += (losses * weights).sum().to(loss_sum.dtype)
-    all_reduce_sum(counts)
-    all_reduce_sum(loss_sum)
-    counts = counts.cpu()
-    top5_hits, left_out = counts[cells:].tolist()  # tolist: read on the host copy
-    loss_total = loss_sum.cpu().tolist()  # one copy to the host, as for the counts
-    result = EvalResult(counts[:cells].view(num_classes, num_classes), top5_hits if top5 else None, loss_total,
-                        left_out)
-    if left_out and not result.total:
-        raise MidRunError(f"none of the {left_out} validation images could be read: is the data still there "
-                          "(a folder moved, a network file system gone)?")
-    return result
-
-
-@torch.no_grad()
-def evaluate_multi_label(model, data_loader, device, num_classes, settings):
-    """The multi-label pass of ``evaluate`` (the model in eval mode, rank 0's buffers): each
-    rank scores its shard (sigmoid probabilities), then every rank gathers every image's
-    scores and targets, each image once, and computes the same MultiLabelResult. Rows stay on
-    the device until the end; padded rows and images left out (targets -1) are dropped then."""
-    empty = torch.zeros(0, num_classes, device=device)
-    scores, targets, kept = [empty], [empty], []
-    left_out = torch.zeros(1, dtype=torch.int64, device=device)
-    loss_sum = loss_accumulator(device)
-    for images, labels, weights in validation_batches(data_loader, device, settings):
-        keep = (weights > 0) & (labels[:, 0] >= 0)  # LEFT_OUT images have every target -1
-        left_out += ((weights > 0) & (labels[:, 0] < 0)).sum()
-        with settings.precision.autocast():
-            logits = model(images)
-        logits, labels = logits.float(), labels.float().clamp(min=0)
-        losses = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(dim=1)
-        loss_sum += (losses * keep).sum().to(loss_sum.dtype)
-        scores.append(torch.sigmoid(logits))
-        targets.append(labels)
-        kept.append(keep)
-    scores, targets = torch.cat(scores), torch.cat(targets)  # (a first empty block: a rank may have no images)
-    kept = torch.cat([torch.zeros(0, dtype=torch.bool, device=device), *kept])
-    rows = all_gather_rows(torch.cat([scores, targets], dim=1)[kept])  # every image once, from every rank
-    all_reduce_sum(loss_sum)
-    all_reduce_sum(left_out)
-    result = MultiLabelResult(rows[:, :num_classes], rows[:, num_classes:], settings.thresholds,
-                              float(loss_sum.cpu()), int(left_out.cpu()))
+        tally.add(logits, labels, weights)
+    result = tally.result()
     if result.left_out and not result.total:
         raise MidRunError(f"none of the {result.left_out} validation images could be read: is the data still there "
                           "(a folder moved, a network file system gone)?")
@@ -466,11 +321,6 @@ def validation_batches(data_loader, device, settings):
         images, labels = to_device(images, labels)
         batch_size = batch_size or len(labels)
         yield pad_batch(images, labels, batch_size, settings.channels_last)
-
-
-def loss_accumulator(device):
-    """A zero to sum a pass's loss into, on the device: float64 (MPS has none: float32)."""
-    return torch.zeros((), dtype=torch.float32 if device.type == "mps" else torch.float64, device=device)
 
 
 def pad_batch(images, labels, batch_size, channels_last=False):

@@ -292,7 +292,8 @@ def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_bes
 
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.recorder import RunRecorder
-    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+    from multi_train_utils.single_label import EvalResult
+    from multi_train_utils.train_eval_utils import TrainStats
 
     out = tmp_path / "run"
     args = parse_flags(False, "--model", "resnet18", "--epochs", "3", "--no-plots", "--keep-last", "0",

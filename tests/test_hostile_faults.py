@@ -249,7 +249,7 @@ def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_befo
 def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path):
     from multi_train_utils.recorder import RunRecorder
 
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     args = full_flags(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
-from multi_train_utils.train_eval_utils import EvalResult, evaluate
+from multi_train_utils.single_label import EvalResult
+from multi_train_utils.train_eval_utils import evaluate
 from test_device_paths import SYNCING_OPS, OpRecorder
 
 NAN = float("nan")
@@ -147,7 +148,7 @@ def test_metrics_are_the_same_for_any_split_of_the_images_into_batches():
 # --- the report of --eval-only and --eval-output -------------------------------------------------
 
 def test_eval_only_prints_every_metric_with_top1_last(capsys):
-    from multi_train_utils.summary import print_evaluation
+    from multi_train_utils.single_label import print_evaluation
 
     print_evaluation(EvalResult(CONFUSION), ["a", "b", "c", "d", "e"])
     lines = capsys.readouterr().out.splitlines()
@@ -170,7 +171,7 @@ def test_eval_output_csv_holds_the_overall_and_per_class_metrics():
     import csv
     import io
 
-    from multi_train_utils.summary import evaluation_metrics_csv
+    from multi_train_utils.single_label import evaluation_metrics_csv
 
     overall, per_class = (list(csv.reader(io.StringIO(text)))
                           for text in evaluation_metrics_csv(EvalResult(CONFUSION, top5_correct=7), list("abcde")))

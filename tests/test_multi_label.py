@@ -20,7 +20,7 @@ from PIL import Image
 from conftest import (PYTHON, REPO, TORCHRUN, free_port, full_flags, metrics_without_timing, read_metrics, run,
                       run_ranks, script)
 from multi_train_utils.multi_label import MultiLabelLoss, positive_weights
-from multi_train_utils.multi_label_metrics import MultiLabelResult, average_precision, best_f1_threshold
+from multi_train_utils.multi_label import MultiLabelResult, average_precision, best_f1_threshold
 
 CLASSES = ["blue", "green", "red", "stripes", "zebra"]  # zebra: training images only
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
@@ -301,12 +301,12 @@ def test_class_folders_with_multi_label_and_single_label_metrics_are_refused(tmp
     folders = Datasets(MyDataSet(["a.png"], [0]), MyDataSet(["b.png"], [1]), ["x", "y"])
     with pytest.raises(UserError, match="--multi-label: my_dataset.build_datasets: the training dataset has one "
                                         "class an image"):
-        check_datasets(folders, multi_label=True)
+        check_datasets(folders, several_labels=True)
     rows = Datasets(MyDataSet(["a.png"], torch.ones(1, 2, dtype=torch.uint8).numpy()),
                     MyDataSet(["b.png"], torch.ones(1, 2, dtype=torch.uint8).numpy()), ["x", "y"])
     with pytest.raises(UserError, match="multi-hot labels .*: add --multi-label"):
-        check_datasets(rows, multi_label=False)
-    check_datasets(rows, multi_label=True)
+        check_datasets(rows, several_labels=False)
+    check_datasets(rows, several_labels=True)
     for flags, message in ((["--best-metric", "map"], "--best-metric map: for --multi-label runs"),
                            (["--tune-thresholds"], "--tune-thresholds is for --multi-label runs"),
                            (["--multi-label", "--demo"], "--multi-label with --demo")):
@@ -332,15 +332,15 @@ def test_a_dataset_of_your_own_with_multi_hot_labels_is_checked_at_the_start():
             return torch.zeros(3, 8, 8, dtype=torch.uint8), self.label
 
     good = Own(torch.tensor([1.0, 0.0, 1.0]))
-    check_datasets(Datasets(good, good, ["a", "b", "c"]), multi_label=True)
+    check_datasets(Datasets(good, good, ["a", "b", "c"]), several_labels=True)
     with pytest.raises(UserError, match=r"first label is a tensor of shape \(2,\); give a float tensor of 3 values"):
-        check_datasets(Datasets(Own(torch.tensor([1.0, 0.0])), good, ["a", "b", "c"]), multi_label=True)
+        check_datasets(Datasets(Own(torch.tensor([1.0, 0.0])), good, ["a", "b", "c"]), several_labels=True)
     with pytest.raises(UserError, match="first label is a int"):
-        check_datasets(Datasets(Own(1), good, ["a", "b", "c"]), multi_label=True)
+        check_datasets(Datasets(Own(1), good, ["a", "b", "c"]), several_labels=True)
     with pytest.raises(UserError, match="values from 0 to 2"):
-        check_datasets(Datasets(Own(torch.tensor([2.0, 0.0, 1.0])), good, ["a", "b", "c"]), multi_label=True)
+        check_datasets(Datasets(Own(torch.tensor([2.0, 0.0, 1.0])), good, ["a", "b", "c"]), several_labels=True)
     with pytest.raises(UserError, match="add --multi-label"):
-        check_datasets(Datasets(good, good, ["a", "b", "c"]), multi_label=False)
+        check_datasets(Datasets(good, good, ["a", "b", "c"]), several_labels=False)
 
 
 # --- Runs ---------------------------------------------------------------------------------------
@@ -580,7 +580,10 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
     assert resumed.best.report["thresholds"] == [0.25, 0.75] and resumed.best.epoch == 0
     empty = Datasets(torch.utils.data.TensorDataset(torch.zeros(1)), torch.utils.data.TensorDataset(torch.zeros(1)),
                      ["a", "b"])
-    recorder = RunRecorder(args, empty, resumed, checkpoint=checkpoint, resume_path=str(tmp_path / "out" / "checkpoint.pth"))
+    from multi_train_utils.options import task_of
+
+    recorder = RunRecorder(args, empty, resumed, checkpoint=checkpoint, resume_path=str(tmp_path / "out" / "checkpoint.pth"),
+                           task=task_of(args))
     recorder.close()
     written = json.loads((tmp_path / "out" / "thresholds.json").read_text())
     assert written == {"classes": {"a": 0.25, "b": 0.75}, "tuned": True, "epoch": 0}
@@ -612,7 +615,7 @@ def test_a_negative_multi_hot_value_of_your_own_dataset_is_refused():
             return torch.zeros(3, 8, 8, dtype=torch.uint8), torch.tensor([-1.0, 0.0, 1.0])
 
     with pytest.raises(UserError, match="values from -1 to 1; give 0 or 1 per class"):
-        check_datasets(Datasets(Own(), Own(), ["a", "b", "c"]), multi_label=True)
+        check_datasets(Datasets(Own(), Own(), ["a", "b", "c"]), several_labels=True)
 
 
 def test_class_weights_balanced_of_a_multi_label_run_are_the_capped_positive_weights():
@@ -628,7 +631,9 @@ def test_class_weights_balanced_of_a_multi_label_run_are_the_capped_positive_wei
         def __len__(self):
             return 300
 
-    weights = loss_class_weights(full_flags(multi_label=True, class_weights="balanced"), Listed(), 3)
+    from multi_train_utils.options import task_of
+
+    weights = loss_class_weights(task_of(full_flags(multi_label=True)), "balanced", Listed(), 3)
     assert weights.tolist() == pytest.approx([100.0, 9.0, 1.0])
 
 
@@ -682,7 +687,9 @@ def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_t
                       log_dir=str(tmp_path / "runs"), epochs=2, plots=False)
     empty = Datasets(torch.utils.data.TensorDataset(torch.zeros(1)), torch.utils.data.TensorDataset(torch.zeros(1)),
                      ["a", "b", "c", "d"])
-    recorder = RunRecorder(args, empty, state)
+    from multi_train_utils.options import task_of
+
+    recorder = RunRecorder(args, empty, state, task=task_of(args))
     recorder.end_epoch(0, TrainStats(0.5, 15, 1.0, 0.1, 15.0), MultiLabelResult(torch.tensor(scores), torch.tensor(targets)))
     recorder.finish()  # per_class_metrics.csv: the best epoch at the tuned thresholds
     row = read_metrics(tmp_path / "out")[0]
@@ -711,11 +718,12 @@ def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_t
 
 def test_every_weights_file_of_a_run_is_predicted_at_the_runs_thresholds(straight):
     from model import create_model
+    from multi_train_utils.options import make_task
     from multi_train_utils.run_files import load_trained_model
 
     out, _ = straight("ddp")
     thresholds = list(json.loads((out / "thresholds.json").read_text())["classes"].values())
     for name in ("model-0.pth", "model-2.pth", "checkpoint.pth", "model-best.pth"):
         trained = load_trained_model(Namespace(weights=str(out / name), model=None, img_size=None, class_indices=None),
-                                     create_model)
-        assert trained.multi_label is True and trained.thresholds == pytest.approx(thresholds), name
+                                     create_model, make_task)
+        assert trained.task.name == "multi-label" and trained.task.thresholds == pytest.approx(thresholds), name

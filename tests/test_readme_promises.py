@@ -347,7 +347,8 @@ def test_epoch_seconds_is_the_wall_time_of_training_and_validation(name, tiny_da
     validation pass that takes 2 s (on a fake clock): epoch_seconds is 5 for every epoch."""
     import importlib
 
-    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+    from multi_train_utils.single_label import EvalResult
+    from multi_train_utils.train_eval_utils import TrainStats
 
     script = importlib.import_module(name)
     clock = Clock()
@@ -401,7 +402,7 @@ def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
 
 def seven_class_result(top5_correct):
     """10 validation images of 7 classes, 4 of them right."""
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     confusion = torch.zeros(7, 7, dtype=torch.int64)
     for true, predicted in [(0, 0), (1, 1), (2, 2), (3, 3), (0, 1), (1, 2), (4, 5), (5, 6), (6, 0), (6, 1)]:
@@ -410,7 +411,7 @@ def seven_class_result(top5_correct):
 
 
 def test_val_top5_accuracy_is_written_with_more_than_5_classes_and_empty_with_5(tmp_path):
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     names = [f"c{i}" for i in range(7)]
     record_epochs(tmp_path / "seven", names, [seven_class_result(top5_correct=8)])
@@ -443,7 +444,7 @@ def test_val_loss_balanced_accuracy_and_macro_f1_cells_hold_the_epochs_figures(t
     """By hand, for 10 images of 3 classes (rows true, columns predicted):
     recall 3/4, 2/4, 1/2 -> balanced accuracy 0.583333; F1 = 2TP / (2TP + FP + FN):
     6/8, 4/7, 2/5 -> macro-F1 0.573810; val_loss 7.5 / 10."""
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     confusion = torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 1]])
     record_epochs(tmp_path, ["a", "b", "c"], [EvalResult(confusion, None, loss_sum=7.5)])
@@ -462,7 +463,7 @@ def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, mo
 
     from multi_train_utils import recorder
     from multi_train_utils.recorder import RunRecorder
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     first, _ = record_epochs(tmp_path, CLASSES, [EvalResult(torch.eye(5, dtype=torch.int64), None, 1.0)])
     later = types.SimpleNamespace(strftime=lambda fmt: "20990101-000000", perf_counter=time.perf_counter)
@@ -483,7 +484,7 @@ def test_best_metric_balanced_accuracy_picks_the_epoch_with_the_higher_balanced_
     """8 images of class a, 2 of b. Epoch 0: accuracy 0.9, balanced accuracy (1 + 1/2) / 2 =
     0.75; epoch 1: accuracy 0.7, balanced accuracy (5/8 + 1) / 2 = 0.8125. model-best.pth
     must hold epoch 1's weights (epoch 1's accuracy is below epoch 0's balanced accuracy too)."""
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     epoch0 = EvalResult(torch.tensor([[8, 0], [1, 1]]), None, 1.0)
     epoch1 = EvalResult(torch.tensor([[5, 3], [0, 2]]), None, 1.0)
@@ -764,7 +765,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     from multi_train_utils.pictures import save_confusion_matrix
     from multi_train_utils.run_files import write_run_settings
     from multi_train_utils.summary import report_evaluation
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
     from multi_train_utils.datasets import Datasets, MyDataSet
 
     classes = ["../../escaped", "../sibling", "..", "c\\d", "e"]
@@ -1105,7 +1106,7 @@ def test_start_summary_prints_the_parameter_count_and_the_learning_rate_schedule
 
 def test_the_epoch_line_shows_the_learning_rate_and_the_speed(tmp_path, capsys):
     """The epoch's last lr (0.01 here, not --lr 0.001) and its images/s (4.0)."""
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     record_epochs(tmp_path, ["a", "b", "c"], [EvalResult(torch.tensor([[3, 1, 0], [0, 2, 2], [1, 0, 1]]), None, 7.5)])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[epoch")]

@@ -122,8 +122,13 @@ def test_balanced_class_weights_come_from_the_training_counts():
     from multi_train_utils.datasets import MyDataSet
 
     train = MyDataSet(["x"] * 8, [0] * 6 + [1] * 2)
-    assert loss_class_weights(recipe_args(), train, 2) is None
-    torch.testing.assert_close(loss_class_weights(recipe_args(class_weights="balanced"), train, 2),
+    from multi_train_utils.options import task_of
+
+    def weights(args):
+        return loss_class_weights(task_of(args), args.class_weights, train, 2)
+
+    assert weights(recipe_args()) is None
+    torch.testing.assert_close(weights(recipe_args(class_weights="balanced")),
                                torch.tensor([8 / (2 * 6), 8 / (2 * 2)]))
 
 
@@ -305,7 +310,7 @@ def test_val_resize_size_reaches_predict_and_export_through_args_json(tmp_path):
 
 def result_with(correct, total=10, loss=1.0):
     """An EvalResult of 2 classes with ``correct`` of ``total`` right, half of each class."""
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import EvalResult
 
     half = total // 2
     right0 = min(correct, half)

@@ -425,15 +425,20 @@ def test_a_balancing_flag_on_a_dataset_without_targets_names_the_flag(distribute
     items = [(torch.zeros(3, 2, 2), 0)] * 3
     line = refusal(make_train_sampler, parse(distributed, "--data-path", "d", "--sampler", "balanced"), items, 1, 0)
     assert line.startswith("--sampler balanced: the training dataset has no .targets") and "leave the flag out" in line
-    line = refusal(loss_class_weights, parse(distributed, "--data-path", "d", "--class-weights", "balanced"), items, 2)
+    from multi_train_utils.options import task_of
+
+    def weights(args, dataset):
+        return loss_class_weights(task_of(args), args.class_weights, dataset, 2)
+
+    line = refusal(weights, parse(distributed, "--data-path", "d", "--class-weights", "balanced"), items)
     assert line.startswith("--class-weights balanced: the training dataset has no .targets")
 
     class Targeted(list):
         targets = [0, 1, 1]
 
-    weights = loss_class_weights(parse(distributed, "--data-path", "d", "--class-weights", "balanced"), Targeted(items), 2)
-    assert weights.tolist() == pytest.approx([1.5, 0.75])  # n / (classes x count): 3 / (2 x 1), 3 / (2 x 2)
-    assert loss_class_weights(parse(distributed, "--data-path", "d"), items, 2) is None
+    made = weights(parse(distributed, "--data-path", "d", "--class-weights", "balanced"), Targeted(items))
+    assert made.tolist() == pytest.approx([1.5, 0.75])  # n / (classes x count): 3 / (2 x 1), 3 / (2 x 2)
+    assert weights(parse(distributed, "--data-path", "d"), items) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float64, torch.float16, torch.bfloat16])

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from multi_train_utils.summary import evaluation_metrics_csv, print_data_summary, print_evaluation
-from multi_train_utils.train_eval_utils import EvalResult
+from multi_train_utils.single_label import evaluation_metrics_csv, print_evaluation
+from multi_train_utils.summary import print_data_summary
+from multi_train_utils.single_label import EvalResult
 from multi_train_utils.pictures import most_confused_pairs
 from conftest import full_flags  # noqa: E402
 

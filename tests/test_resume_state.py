@@ -14,7 +14,8 @@ from conftest import read_metrics, full_flags
 from multi_train_utils.checkpoint import TrainState, find_resume_checkpoint, restore_training_state
 from multi_train_utils.ema import ModelEma
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+from multi_train_utils.single_label import EvalResult
+from multi_train_utils.train_eval_utils import TrainStats
 
 DATA = full_flags(classes=["a", "b"])  # as far as RunRecorder reads the data
 EPOCHS = 10

@@ -9,7 +9,8 @@ from torch import nn
 from conftest import Labelled, parse_flags, full_flags
 
 from multi_train_utils.checkpoint import TrainState
-from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+from multi_train_utils.single_label import EvalResult
+from multi_train_utils.train_eval_utils import TrainStats
 
 
 def run_flags(tmp_path, *extra):

@@ -361,8 +361,8 @@ def test_the_start_summary_of_1000_classes_names_the_extremes_in_short_lines(cap
 
 
 def test_the_evaluation_report_of_1000_classes_lists_the_worst_classes_and_pairs(capsys):
-    from multi_train_utils.summary import evaluation_metrics_csv, print_evaluation
-    from multi_train_utils.train_eval_utils import EvalResult
+    from multi_train_utils.single_label import evaluation_metrics_csv, print_evaluation
+    from multi_train_utils.single_label import EvalResult
 
     result = EvalResult(made_up_confusion(), top5_correct=9990, loss_sum=1.0)
     print_evaluation(result, CLASSES_1000)
@@ -419,7 +419,8 @@ def test_the_pictures_of_1000_classes_stay_legible(tmp_path):
 
 def test_the_epoch_line_reports_top5_and_the_images_left_out():
     from multi_train_utils.recorder import epoch_line
-    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+    from multi_train_utils.single_label import EvalResult
+    from multi_train_utils.train_eval_utils import TrainStats
 
     # 8 classes of 10 images: 6 all right, class 3 2 right, class 5 5 right: 67 of 80
     result = EvalResult(made_up_confusion()[:8, :8], top5_correct=70, loss_sum=1.0, left_out=2)

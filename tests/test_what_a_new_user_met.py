@@ -49,7 +49,8 @@ def recorder_at(tmp_path, *flags):
 
 
 def test_the_best_epochs_weights_are_kept_once_and_the_emas_in_a_file_of_their_own(tmp_path, capsys):
-    from multi_train_utils.train_eval_utils import EvalResult, TrainStats
+    from multi_train_utils.single_label import EvalResult
+    from multi_train_utils.train_eval_utils import TrainStats
 
     out, recorder = recorder_at(tmp_path, "--model-ema", "--keep-last", "2")
     model, ema = recorder.state.model, recorder.state.ema
