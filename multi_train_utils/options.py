@@ -236,9 +236,10 @@ def add_run_flags(group):
                        metavar="K", help="keep the last K model-{epoch}.pth; 0 keeps all; "
                                          "default: 1, the last epoch's")
     group.add_argument("--best-metric", default=None,
-                       help="validation metric that picks model-best.pth (loss: the lowest): accuracy (the default), "
-                            "balanced_accuracy, macro_f1 or loss; with --multi-label map (its default), micro_f1, "
-                            "macro_f1, accuracy (exact match) or loss; a task of yours: its metrics")
+                       help="validation metric that picks model-best.pth (loss: the lowest): accuracy, "
+                            "balanced_accuracy, macro_f1 or loss; with --multi-label map, micro_f1, macro_f1, accuracy "
+                            "(exact match) or loss; a task of yours: its own (default: the task's first: accuracy; "
+                            "map with --multi-label)")
     group.add_argument("--tune-thresholds", action="store_true",
                        help="--multi-label: per class, the threshold of the best F1 on validation at the best epoch, "
                             "kept in thresholds.json for predict.py and the export (default: 0.5 each)")

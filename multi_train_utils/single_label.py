@@ -1,5 +1,6 @@
-"""Single-label classification, the default task: one class an image, cross-entropy, a
-confusion matrix counted on each rank and summed over ranks."""
+"""Single-label classification, the default task: one class an image, cross-entropy.
+
+A confusion matrix is counted on each rank and summed over ranks; its figures and reports."""
 import math
 import os
 from dataclasses import dataclass

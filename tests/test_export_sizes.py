@@ -50,7 +50,8 @@ def test_a_pt2_takes_a_batch_of_1_and_of_200_and_carries_the_run(tmp_path):
     check_every_batch_size(model, exported)
     _, run = load_program(path)
     # a run without channels: RGB; without multi_label: one class an image
-    assert run == {"channels": 3, "multi_label": False, "thresholds": None, **{key: RUN[key] for key in RUN_KEYS}}
+    assert run == {"channels": 3, "task": None, "multi_label": False, "thresholds": None,
+                   **{key: RUN[key] for key in RUN_KEYS}}
     assert set(RUN_KEYS) >= {"mean", "std", "classes"}
     # the program itself declares any batch size from 1 up (a torch that checks the declared
     # range refuses a single image otherwise, whatever this torch lets through)

@@ -226,7 +226,7 @@ def test_a_resume_with_another_number_of_processes_says_the_rate_is_scaled_anew(
 FLAG_GROUPS = [
     ("common", ["--data-path", "--demo", "--model", "--weights", "--epochs", "--batch-size", "--lr", "--device",
                 "--output-dir", "--resume", "--eval-only"]),
-    ("data", ["--val-path", "--train-list", "--val-list", "--multi-label", "--val-rate", "--check-images", "--num-classes",
+    ("data", ["--val-path", "--train-list", "--val-list", "--multi-label", "--task", "--val-rate", "--check-images", "--num-classes",
               "--img-size", "--val-resize-size", "--workers", "--download", "--freeze-layers"]),
     ("recipe", ["--hflip", "--auto-augment", "--random-erase", "--mixup-alpha", "--cutmix-alpha", "--label-smoothing",
                 "--class-weights", "--sampler", "--opt", "--momentum", "--weight-decay", "--norm-bias-decay",

@@ -340,6 +340,7 @@ def build(name="resnet18", img_size=32, batch_size=2, eval_only=False, sync_bn=F
 def test_an_image_size_the_model_cannot_take_is_refused_naming_the_size(tmp_path):
     from model import create_model
     from multi_train_utils.model_setup import check_input_size
+    from multi_train_utils.options import make_task
     from multi_train_utils.run_files import load_trained_model
 
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images; use --img-size 224$"):
@@ -357,7 +358,7 @@ def test_an_image_size_the_model_cannot_take_is_refused_naming_the_size(tmp_path
     (tmp_path / "model-best.pth").write_bytes(b"not read")
     with pytest.raises(UserError, match=r"^--img-size 96: vit_b_16 takes only 224 px images"):
         load_trained_model(full_flags(weights=str(tmp_path / "model-best.pth"), model=None, img_size=None,
-                                      class_indices=None), create_model)
+                                      class_indices=None), create_model, make_task)
 
 
 def test_a_batch_norm_batch_of_one_value_is_refused_exactly_where_torch_would_fail(monkeypatch):

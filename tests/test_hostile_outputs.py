@@ -198,7 +198,8 @@ def test_with_overwrite_only_a_checked_export_replaces_the_file(trained, tmp_pat
     output.write_bytes(b"an earlier export")
     tiny = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 8), torch.nn.Flatten()).eval()  # exported in a second
     monkeypatch.setattr(export, "load_trained_model",
-                        lambda args, create_model: TrainedModel(tiny, "tiny", 8, CLASSES))
+                        lambda args, create_model, make_task: TrainedModel(tiny, "tiny", 8, CLASSES,
+                                                                           task=make_task("single-label")))
     monkeypatch.setattr(export, "TOLERANCE", -1.0)  # every check fails
     refused(export.main, ["--weights", weights, "--output", str(output), "--overwrite"], "differs from the eager one")
     assert sorted(os.listdir(tmp_path)) == ["model.pt2", "run"] and output.read_bytes() == b"an earlier export"

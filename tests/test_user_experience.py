@@ -355,7 +355,7 @@ def test_export_pt2_loads_with_torch_alone_and_predict_py_runs_it(single_run, ti
         classes = [name for _, name in sorted(json.load(f).items(), key=lambda item: int(item[0]))]
     assert load.run == {"model": MODEL, "img_size": 32, "val_resize_size": 48, "channels": 3,
                         "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "classes": classes,
-                        "multi_label": False, "thresholds": None}
+                        "task": "single-label", "multi_label": False, "thresholds": None}
 
     program = elsewhere / "flowers.pt2"  # away from its run: no args.json beside it
     os.replace(tmp_path / "model.pt2", program)
