@@ -61,7 +61,9 @@ def test_a_task_of_your_own_trains_resumes_evaluates_predicts_and_exports(ordina
     evaluated = run([PYTHON, script("train_single.py"), "--eval-only", "--weights", str(out / "model-best.pth"),
                      "--workers", "0", "--device", "cpu", "--eval-output", str(tmp_path / "eval")])
     assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
-    mae = float(re.search(r"^mae: ([\d.]+) \(7 images\)", evaluated.stdout, flags=re.M).group(1))
+    printed = re.search(r"^mae: ([\d.]+) \(7 images\)", evaluated.stdout, flags=re.M)
+    assert printed, evaluated.stdout  # the task's own lines, not single-label's
+    mae = float(printed.group(1))
     assert mae == pytest.approx(maes[best_epoch], abs=1e-6)
     with open(tmp_path / "eval" / "overall_metrics.csv", newline="") as f:
         assert float(dict(list(csv.reader(f))[1:])["mae"]) == pytest.approx(mae, abs=1e-6)
@@ -109,10 +111,13 @@ def test_a_task_that_cannot_be_had_is_one_line(spec, message):
 
 def test_a_tasks_own_metric_and_the_flags_it_refuses():
     from multi_train_utils.errors import UserError
-    from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils.options import get_args_parser, make_task, parse_args
 
     args = parse_args(get_args_parser(distributed=True), ["--task", TASK])
     assert args.best_metric == "mae" and args.task == TASK and args.multi_label is False
+    task = make_task(TASK)  # a mean absolute error is better low, whatever the engine's default
+    assert task.is_better("mae", 0.5, 1.5) and not task.is_better("mae", 1.5, 0.5) and task.is_better("mae", 3.0, None)
+    assert task.is_better("accuracy", 0.9, 0.5) and not task.is_better("accuracy", 0.5, 0.9)
     with pytest.raises(UserError, match=r"--best-metric map: for --multi-label runs; add --multi-label or use mae, "
                                         r"accuracy or loss"):
         parse_args(get_args_parser(distributed=False), ["--task", TASK, "--best-metric", "map"])
