@@ -114,7 +114,7 @@ def main(argv=None):
     resize = read_val_resize_size(args, img_size)  # the preprocessing the exported model expects
     run = {"model": model_name, "img_size": img_size, "val_resize_size": resize, "channels": channels,
            "mean": trained.mean, "std": trained.std, "classes": classes, "task": trained.task.name,
-           "multi_label": trained.task.name == "multi-label", "thresholds": trained.task.thresholds}
+           "multi_label": trained.task.several_labels, "thresholds": trained.task.thresholds}
     unchecked = unchecked_path(output)
     try:
         with torch.no_grad():

@@ -393,15 +393,15 @@ class MultiLabel(Task):
         names = ("accuracy", "macro_f1", "map", "micro_f1", "micro_precision", "micro_recall")
         return {**{name: getattr(result, name) for name in names}, "val_loss": result.loss}
 
-    def keep(self, result, tune=False):
-        """The best epoch's per-class figures, at the thresholds the run keeps (``tune``: each
-        class's best-F1 threshold on this validation pass, --tune-thresholds)."""
-        tuned = result.with_thresholds(result.tuned_thresholds()) if tune else result
+    def keep(self, result):
+        """The best epoch's per-class figures, at the thresholds the run keeps (--tune-thresholds:
+        each class's best-F1 threshold on this validation pass; else 0.5 each)."""
+        tuned = result.with_thresholds(result.tuned_thresholds()) if self.tune_thresholds else result
         return {"confusion": None, "report": tuned.report()}
 
-    def write_best_files(self, folder, classes, best, tuned=False):
+    def write_best_files(self, folder, classes, best):
         if best.report is not None:  # the thresholds of model-best.pth
-            write_thresholds(folder, classes, best.report["thresholds"], tuned, best.epoch)
+            write_thresholds(folder, classes, best.report["thresholds"], self.tune_thresholds, best.epoch)
 
     def report_best(self, best, classes, folder, writer=None, step=0, pictures=True):
         if best.report is None:
@@ -409,11 +409,11 @@ class MultiLabel(Task):
         return save_multi_label_report(best.report, classes, folder, f"best epoch {best.epoch}", writer=writer,
                                        step=step, pictures=pictures)
 
-    def print_best(self, best, classes, folder, tuned=False):
+    def print_best(self, best, classes, folder):
         if best.report is None:
             return
         print_class_lines(best.report, classes)
-        how = "tuned for each class's best F1 on validation (--tune-thresholds)" if tuned else \
+        how = "tuned for each class's best F1 on validation (--tune-thresholds)" if self.tune_thresholds else \
             "0.5 each (--tune-thresholds picks each class's)"
         print(f"thresholds: {how}; in {os.path.join(folder, THRESHOLDS_FILE)}")
 
@@ -447,7 +447,7 @@ class MultiLabel(Task):
         return table
 
     def read_run_files(self, run_dir, classes):
-        return type(self)(read_thresholds(run_dir, classes))
+        return type(self)(read_thresholds(run_dir, classes), self.tune_thresholds)
 
 
 class ScoreTally:

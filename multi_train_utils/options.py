@@ -455,16 +455,17 @@ def add_trained_model_flags(parser, takes_pt2=False):
 
 
 def task_of(args):
-    """The task the flags ask for (--task, --multi-label): a task.Task."""
-    return make_task(args.task or ("multi-label" if getattr(args, "multi_label", False) else "single-label"))
+    """The task the flags ask for (--task, --multi-label; --tune-thresholds): a task.Task."""
+    return make_task(args.task or ("multi-label" if getattr(args, "multi_label", False) else "single-label"),
+                     tune_thresholds=getattr(args, "tune_thresholds", False))
 
 
-def make_task(name, thresholds=None):
+def make_task(name, thresholds=None, tune_thresholds=False):
     """The task ``name``: "single-label", "multi-label", or "FILE.py:Class" / "module:Class"
     (a Task subclass of yours); a UserError naming --task where it cannot be had."""
     built_in = {"single-label": SingleLabel, "multi-label": MultiLabel}
     if name in built_in:
-        return built_in[name](thresholds)
+        return built_in[name](thresholds, tune_thresholds)
     where, _, attribute = str(name).rpartition(":")
     if not where or not attribute:
         raise UserError(f"--task {printable(name)}: give single-label, multi-label, or FILE.py:ClassName of a Task "
@@ -479,7 +480,7 @@ def make_task(name, thresholds=None):
                         "give FILE.py:ClassName of a Task subclass") from None
     if not (isinstance(task_class, type) and issubclass(task_class, Task)):
         raise UserError(f"--task {printable(name)}: {attribute} is not a subclass of multi_train_utils.task.Task")
-    task = task_class(thresholds)
+    task = task_class(thresholds, tune_thresholds)
     task.name = name
     return task
 

@@ -15,8 +15,9 @@ from multi_train_utils.inputs import file_list_fingerprint, resume_hint
 from multi_train_utils.mid_epoch import MidEpochCheckpoints, agree_on_write
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
-from multi_train_utils.run_files import (BEST_WEIGHTS, METRICS_HEADER, args_to_dict, clear_earlier_run, images_of,
-                                         model_epoch_files, write_metrics, write_run_settings)
+from multi_train_utils.run_files import (BEST_WEIGHTS, args_to_dict, clear_earlier_run, images_of,
+                                         metrics_header, model_epoch_files, write_metrics,
+                                         write_run_settings)
 from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.signals import arm_notices
 from multi_train_utils.summary import class_counts, print_end_summary
@@ -154,7 +155,7 @@ class RunRecorder:
                 save_atomic(ema_weights, best_file)
             else:
                 link_atomic(epoch_file, best_file)  # the same bytes: not written twice
-        self.task.write_best_files(self.output_dir, self.classes, self.state.best, tuned=self.args.tune_thresholds)
+        self.task.write_best_files(self.output_dir, self.classes, self.state.best)
         write_metrics(self.output_dir, self.rows, metrics_header(self.task))
         self._prune(epoch)
 
@@ -244,7 +245,7 @@ class RunRecorder:
             source, result = "ema", ema_result
         if task.is_better(metric, result.metric(metric), best.value):
             best.value, best.accuracy, best.epoch, best.source = result.metric(metric), result.accuracy, epoch, source
-            kept = task.keep(result, tune=True) if self.args.tune_thresholds else task.keep(result)
+            kept = task.keep(result)
             best.confusion, best.report = kept["confusion"], kept["report"]
         return source
 
@@ -323,11 +324,6 @@ class RunRecorder:
             self.writer.close()
         if self.run_log is not None:
             self.run_log.close()
-
-
-def metrics_header(task):
-    """metrics.csv's columns: METRICS_HEADER, then the columns ``task`` adds."""
-    return METRICS_HEADER + [column for column in task.columns if column not in METRICS_HEADER]
 
 
 def epoch_line(epoch, train_stats, eval_result, ema_result=None, task=None):

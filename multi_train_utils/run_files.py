@@ -165,6 +165,11 @@ def task_of_run(run_args):
 
 # --- metrics.csv ----------------------------------------------------------------------------------
 
+def metrics_header(task):
+    """metrics.csv's columns for ``task``: METRICS_HEADER, then the columns it adds."""
+    return METRICS_HEADER + [column for column in task.columns if column not in METRICS_HEADER]
+
+
 def write_metrics(output_dir, rows, header=METRICS_HEADER):
     """metrics.csv: the ``header`` (a task's columns after METRICS_HEADER), then one row (a
     list of values) per epoch, atomically; rows of a checkpoint written before the later

@@ -14,7 +14,7 @@ from multi_train_utils.images import JPEG_DECODER
 from multi_train_utils.model_setup import count_parameters
 from multi_train_utils.pictures import PLOT_FILES
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
-from multi_train_utils.run_files import METRICS_HEADER
+from multi_train_utils.run_files import METRICS_HEADER, metrics_header
 from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.task import MAX_CLASSES_LISTED
 
@@ -157,12 +157,12 @@ def print_end_summary(args, state, seconds, plots=(), classes=(), rows=(), task=
         print(state.stop_reason)
     print(f"best val {args.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
           f"{format_duration(seconds)}")
-    clock = time_to_target(args, rows, epoch, task, METRICS_HEADER + [c for c in task.columns if c not in METRICS_HEADER])
+    clock = time_to_target(args, rows, epoch, task, metrics_header(task))
     if clock:
         print(clock)
     source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"
     print(f"best weights: {best} ({source}, epoch {epoch})")
-    task.print_best(state.best, classes, output_dir, tuned=args.tune_thresholds)
+    task.print_best(state.best, classes, output_dir)
     if plots:
         print("plots: " + ", ".join(os.path.join(output_dir, PLOT_FILES[p]) for p in plots))
     print(f"predict: python predict.py --weights {best} --image PATH")

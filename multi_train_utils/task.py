@@ -34,7 +34,8 @@ def nanmean(values):
 class Task:
     """What a kind of labels needs from training, evaluation, reports, predict.py and export.py.
 
-    ``thresholds``: per class, where a task predicts by thresholds (None: its default)."""
+    ``thresholds``: per class, where a task predicts by thresholds (None: its default);
+    ``tune_thresholds``: --tune-thresholds, for a task that has them."""
 
     name = "task"  # what args.json's "task" says
     several_labels = False  # a label is a row of one 0/1 value per class (a list file row names any number)
@@ -45,8 +46,8 @@ class Task:
     tunes_thresholds = False  # whether --tune-thresholds means something to it
     balance_flags = "--sampler balanced or --class-weights balanced"  # what helps an imbalanced training set
 
-    def __init__(self, thresholds=None):
-        self.thresholds = thresholds
+    def __init__(self, thresholds=None, tune_thresholds=False):
+        self.thresholds, self.tune_thresholds = thresholds, tune_thresholds
 
     # --- training -------------------------------------------------------------------------------
     def class_weights(self, labels, num_classes):
@@ -96,14 +97,14 @@ class Task:
         checkpoint): {"confusion": tensor or None, "report": dict or None}."""
         return {"confusion": None, "report": None}
 
-    def write_best_files(self, folder, classes, best, tuned=False):
+    def write_best_files(self, folder, classes, best):
         """Files that go with model-best.pth, written when it is (``best``: checkpoint.BestEpoch)."""
 
     def report_best(self, best, classes, folder, writer=None, step=0, pictures=True):
         """At the end of a run: the best epoch's files and pictures; returns the pictures' names."""
         return []
 
-    def print_best(self, best, classes, folder, tuned=False):
+    def print_best(self, best, classes, folder):
         """The end summary's lines on the best epoch, after where its weights are."""
 
     # --- --eval-only ------------------------------------------------------------------------------

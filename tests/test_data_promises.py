@@ -252,7 +252,7 @@ def test_the_end_summary_names_the_best_epoch_its_figure_and_whose_weights(capsy
     from multi_train_utils.summary import print_end_summary
 
     state = TrainState(None, epoch=10, best=BestEpoch(value=0.8125, accuracy=0.8125, epoch=7, source=source))
-    args = full_flags(output_dir="weights", best_metric="accuracy")
+    args = full_flags(output_dir="weights", best_metric="accuracy", model_ema=True)  # the run had an EMA either way
     print_end_summary(args, state, seconds=3725.4, plots=["curves", "confusion_matrix"])
     lines = capsys.readouterr().out.splitlines()
     assert "best val accuracy: 0.8125 at epoch 7; this session took 1h02m05s" in lines
