@@ -34,7 +34,8 @@ class RunInputs(NamedTuple):
 def read_inputs(args, build_datasets, device, several_labels=False):
     """Lock --output-dir (rank 0: the one process that writes there), then build the
     datasets (``build_datasets(args)``, see my_dataset.py; ``several_labels``: the task's
-    labels are rows of 0/1 per class), read --weights and --resume and check --output-dir: a UserError on bad input (which leaves nothing behind: the lock file
+    labels are rows of 0/1 per class), read --weights and --resume and check --output-dir:
+    a UserError on bad input (which leaves nothing behind: the lock file
     goes again at exit if nothing was written).
 
     Every rank of a job checks the same input; if any finds a problem, all stop (the others

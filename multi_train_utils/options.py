@@ -374,8 +374,6 @@ def check_numbers(args):
                         "(the center crop is taken from the resized image)")
 
 
-
-
 def check_requeue(args):
     """--requeue needs a SLURM job (SLURM_JOB_ID), scontrol, and --resume auto (what the
     requeued job continues with)."""

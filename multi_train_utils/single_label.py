@@ -50,7 +50,8 @@ class SingleLabel(Task):
         return f"val_accuracy: {result.accuracy:.4f} ({result.correct}/{result.total}{left_out}){top5}{ema}"
 
     def scalars(self, result):
-        figures = {name: getattr(result, name) for name in ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy")}
+        names = ("accuracy", "balanced_accuracy", "macro_f1", "top5_accuracy")
+        figures = {name: getattr(result, name) for name in names}
         return {**{k: v for k, v in figures.items() if v is not None}, "val_loss": result.loss}
 
     def keep(self, result):
