@@ -1,0 +1,285 @@
+"""The task contract (multi_train_utils/task.py, docs/layout.md "A task of your own") held
+for both built-in tasks and a task of your own, in one process: each rank's tally combined
+exactly, the EMA's figures where they belong, the best epoch's kept figures of the weights it
+keeps, older files read as the task they were, --task's names and paths, the refusals that
+follow a task's several_labels. Round 15's survivors, each with its test."""
+import io
+import json
+import os
+import shutil
+import textwrap
+
+import pytest
+import torch
+
+from conftest import REPO, full_flags, outcome
+
+TASK_FILE = os.path.join(REPO, "tests", "helpers", "ordinal_task.py")
+
+
+class TwoRanks:
+    """The collectives of a 2-process job, played in one process: rank 1's tally gives its
+    tensors first (recorded, in call order), then rank 0's result sums or gathers with them."""
+
+    def __init__(self, monkeypatch, *modules):
+        self.monkeypatch, self.modules, self.recorded = monkeypatch, modules, []
+
+    def _patch(self, reduce, gather):
+        for module in self.modules:
+            self.monkeypatch.setattr(module, "all_reduce_sum", reduce, raising=False)
+            self.monkeypatch.setattr(module, "all_gather_rows", gather, raising=False)
+
+    def result(self, rank0, rank1):
+        def record(tensor):
+            self.recorded.append(tensor.clone())
+            return tensor
+
+        self._patch(record, record)
+        rank1.result()
+        others = iter(self.recorded)
+
+        def reduce(tensor):
+            tensor += next(others)
+            return tensor
+
+        self._patch(reduce, lambda rows: torch.cat([rows, next(others)]))
+        return rank0.result()
+
+
+def batches(num_classes, multi_hot=False, seed=0):
+    """Four batches of (logits, labels, weights): the last one padded (2 rows of weight 0), one
+    image left out (label -1)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for b in range(4):
+        logits = torch.randn(4, num_classes, generator=generator)
+        if multi_hot:
+            labels = (torch.rand(4, num_classes, generator=generator) > 0.5).float()
+        else:
+            labels = torch.randint(0, num_classes, (4,), generator=generator)
+        weights = torch.ones(4, dtype=torch.int64)
+        if b == 3:
+            weights[2:] = 0
+        if b == 1:
+            labels[0] = -1
+        out.append((logits, labels, weights))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["single-label", "multi-label"])
+def test_each_ranks_tally_is_combined_exactly_loss_included(monkeypatch, kind):
+    """task.py: ``result()`` "combines all ranks exactly (each image once)": two ranks' shards
+    give the figures of one process over every image, the summed loss among them; the loss is
+    the plain one, computed here from the logits."""
+    from multi_train_utils import multi_label, single_label
+    from multi_train_utils.options import make_task
+
+    task, classes = make_task(kind), 7
+    data = batches(classes, multi_hot=kind == "multi-label")
+    whole = task.evaluation(classes, torch.device("cpu"))
+    for batch in data:
+        whole.add(*batch)
+    expected = whole.result()
+    shards = [task.evaluation(classes, torch.device("cpu")) for _ in range(2)]
+    for i, batch in enumerate(data):
+        shards[i % 2].add(*batch)
+    combined = TwoRanks(monkeypatch, single_label, multi_label).result(*shards)
+    kept = [(logits[w > 0], labels[w > 0]) for logits, labels, w in data]
+    logits = torch.cat([lo for lo, la in kept])
+    labels = torch.cat([la for lo, la in kept])
+    read = (labels >= 0) if kind == "single-label" else (labels[:, 0] >= 0)
+    logits, labels = logits[read], labels[read]
+    if kind == "single-label":
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        assert combined.loss_sum == pytest.approx(float(loss), rel=1e-6)
+        assert torch.equal(combined.confusion, expected.confusion) and combined.left_out == 1
+    else:
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+        assert combined.loss_sum == pytest.approx(float(loss), rel=1e-6)
+        assert combined.map == pytest.approx(expected.map, abs=1e-12) and combined.left_out == 1
+    assert combined.total == expected.total == 13 and combined.loss == pytest.approx(expected.loss, rel=1e-6)
+
+
+class Figures:
+    """A result with the figures every task reads, each of its own value."""
+
+    def __init__(self, base):
+        self.accuracy, self.loss, self.total, self.correct, self.left_out = base, base + 1, 10, int(base * 10), 0
+        self.mae, self.map, self.micro_f1, self.macro_f1 = base + 2, base + 0.03, base + 0.04, base + 0.05
+        self.micro_precision, self.micro_recall, self.top5_accuracy, self.balanced_accuracy = base, base, None, base
+
+
+def test_the_emas_cells_and_epoch_line_are_the_emas():
+    """metrics.csv's ema_ cells and the epoch line's EMA figure are the EMA's, for the two
+    built-in tasks and a task of yours (the contract's own cells)."""
+    from multi_train_utils.options import make_task
+    from multi_train_utils.recorder import epoch_line
+    from multi_train_utils.train_eval_utils import TrainStats
+
+    model, ema = Figures(0.5), Figures(0.75)
+    own = make_task(TASK_FILE + ":Ordinal")
+    cells = own.cells(model, ema)
+    assert (cells["ema_val_accuracy"], cells["ema_val_loss"], cells["ema_val_mae"]) == ("0.750000", "1.750000", "2.750000")
+    assert cells["val_accuracy"] == "0.500000"
+    cells = make_task("multi-label").cells(model, ema)
+    assert (cells["ema_val_accuracy"], cells["ema_val_map"]) == ("0.750000", "0.780000")
+    stats = TrainStats(0.5, 100, 1.0, 0.01, 50.0)
+    assert "ema_val_map: 0.7800" in epoch_line(0, stats, model, ema, make_task("multi-label"))
+    assert "ema_val_accuracy: 0.7500" in epoch_line(0, stats, model, ema, own)
+    assert "ema_val_accuracy: 0.7500" in epoch_line(0, stats, model, ema, make_task("single-label"))
+
+
+@pytest.mark.parametrize("kind", ["single-label", "multi-label"])
+def test_the_best_epoch_keeps_the_figures_of_the_weights_it_keeps(tmp_path, kind):
+    """When the EMA scores better, model-best.pth holds the EMA's weights, and what the run keeps
+    for its end report (the confusion matrix; multi-label: per-class figures and thresholds) is
+    the EMA's too."""
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.multi_label import MultiLabelResult
+    from multi_train_utils.options import make_task
+    from multi_train_utils.recorder import RunRecorder
+    from multi_train_utils.single_label import EvalResult
+
+    args = full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "runs"), epochs=3,
+                      best_metric="accuracy", model_ema=True, multi_label=kind == "multi-label",
+                      task=kind)
+    recorder = RunRecorder(args, full_flags(classes=["a", "b"]), TrainState(None), enabled=False, task=make_task(kind))
+    if kind == "single-label":
+        model, ema = EvalResult(torch.tensor([[2, 2], [2, 2]])), EvalResult(torch.tensor([[4, 0], [1, 3]]))
+    else:
+        targets = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]])
+        model = MultiLabelResult(torch.tensor([[0.4, 0.6], [0.6, 0.4], [0.4, 0.4], [0.6, 0.6]]), targets)
+        ema = MultiLabelResult(torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.7, 0.6], [0.1, 0.2]]), targets)
+    recorder.end_epoch(0, None, model, ema)
+    best = recorder.state.best
+    assert best.source == "ema" and best.accuracy == ema.accuracy > model.accuracy
+    if kind == "single-label":
+        assert torch.equal(best.confusion, ema.confusion)
+    else:
+        assert best.report["ap"] == pytest.approx(ema.ap) and best.report["map"] == pytest.approx(ema.map) != model.map
+
+
+def test_the_imbalance_warning_names_the_remedy_of_the_task(capsys):
+    """multi-label.md: "--sampler balanced is refused" for rows: an imbalanced multi-label
+    training set is pointed to --class-weights balanced alone; single-label to both."""
+    import numpy as np
+
+    from multi_train_utils.options import make_task
+    from multi_train_utils.summary import print_data_summary
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, targets):
+            self.targets = np.asarray(targets, dtype=np.uint8)
+
+        def __len__(self):
+            return len(self.targets)
+
+    class Labels(list):
+        @property
+        def targets(self):
+            return list(self)
+
+    args = full_flags(demo=False, train_list="t.csv", val_list=None, data_path="d", val_path=None,
+                      sampler="shuffle", class_weights="none")
+    rows = Rows([[1, 0]] * 30 + [[0, 1]] * 2)
+    print_data_summary(args, full_flags(classes=["a", "b"], train=rows, val=Rows([[1, 1]]), skipped=[]),
+                       make_task("multi-label"))
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and warning[0].endswith("--class-weights balanced") and "--sampler" not in warning[0]
+    print_data_summary(args, full_flags(classes=["a", "b"], train=Labels([0] * 30 + [1] * 2), val=Labels([0]),
+                                        skipped=[]), make_task("single-label"))
+    assert "--sampler balanced or --class-weights balanced" in capsys.readouterr().out
+
+
+def test_a_best_of_zero_is_a_best_not_nothing_yet():
+    """task.py: is_better's ``best`` None is "nothing yet"; a best of 0 (a mean error of 0, an
+    accuracy of 0) is a value to beat."""
+    from multi_train_utils.options import make_task
+
+    own, single = make_task(TASK_FILE + ":Ordinal"), make_task("single-label")
+    assert not own.is_better("mae", 0.25, 0.0) and not single.is_better("loss", 0.25, 0.0)
+    assert not single.is_better("accuracy", 0.0, 0.0) and single.is_better("accuracy", 0.25, 0.0)
+    assert own.is_better("mae", 0.25, None)
+
+
+def test_older_run_files_are_read_as_the_task_they_were(tmp_path):
+    """An args.json or a .pt2 written before "task" was: "multi_label": true reads as the
+    multi-label task (sigmoids at thresholds), else single-label."""
+    from multi_train_utils.exported import load_program, run_json
+    from multi_train_utils.files import write_bytes_atomic
+    from multi_train_utils.run_files import task_of_run
+
+    assert task_of_run({"model": "m", "multi_label": True}) == "multi-label"
+    assert task_of_run({"model": "m", "multi_label": False}) == task_of_run(None) == "single-label"
+    assert task_of_run({"task": "x.py:Y", "multi_label": False}) == "x.py:Y"
+    program = torch.export.export(torch.nn.Linear(4, 2), (torch.zeros(2, 4),))
+    run = {"model": "linear", "img_size": 2, "val_resize_size": 2, "mean": None, "std": None, "classes": ["a", "b"],
+           "multi_label": True, "thresholds": [0.3, 0.7]}
+    old = json.loads(run_json(run))
+    del old["task"]  # as an export.py before tasks wrote it
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer, extra_files={"run.json": json.dumps(old)})
+    write_bytes_atomic(buffer.getvalue(), str(tmp_path / "old.pt2"))
+    _, read = load_program(str(tmp_path / "old.pt2"))
+    assert task_of_run(read) == "multi-label" and read["thresholds"] == [0.3, 0.7]
+
+
+def test_a_probability_at_its_threshold_is_predicted():
+    """predict.py: "the classes at or above their thresholds, most probable first"."""
+    from multi_train_utils.options import make_task
+
+    task = make_task("multi-label", thresholds=[0.5, 0.25, 0.75])
+    line = task.describe(torch.tensor([0.5, 0.25, 0.7]), ["a", "b", "c"], 5)
+    assert line == "a 0.500, b 0.250"
+    table = task.prediction_table([("x.png", torch.tensor([0.5, 0.25, 0.7]))], ["a", "b", "c"])
+    assert table[1][:2] == ["x.png", "a b"]
+
+
+def test_names_and_paths_of_a_task(tmp_path):
+    """--task multi-label is --multi-label (its lists read as rows, args.json's multi_label);
+    a task's path may hold a colon (the class is after the last one); a task file may define a
+    dataclass (its module is registered before it runs); a task of yours with rows
+    (several_labels) refuses --sampler balanced and --demo as --multi-label does."""
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.options import get_args_parser, make_task, parse_args
+
+    args = parse_args(get_args_parser(distributed=False), ["--task", "multi-label"])
+    assert args.multi_label is True and args.task == "multi-label" and args.best_metric == "map"
+    return_path = os.path.join(str(tmp_path), "a:b")
+    os.makedirs(return_path)
+    shutil.copy(TASK_FILE, os.path.join(return_path, "graded.py"))
+    graded = outcome(lambda: make_task(os.path.join(return_path, "graded.py") + ":Ordinal"))
+    assert not isinstance(graded, Exception) and graded.metrics[0] == "mae", graded
+    with open(os.path.join(return_path, "tagged.py"), "w") as f:
+        f.write(textwrap.dedent('''
+            from __future__ import annotations  # a dataclass then looks its module up while the file runs
+            from dataclasses import dataclass
+            from multi_train_utils.multi_label import MultiLabel
+
+            @dataclass
+            class Setting:
+                weight: float = 1.0
+
+            class Tags(MultiLabel):
+                setting = Setting()
+            '''))
+    spec = os.path.join(return_path, "tagged.py") + ":Tags"
+    tags = outcome(lambda: make_task(spec))
+    assert not isinstance(tags, Exception) and tags.several_labels, tags
+    assert tags.setting.weight == 1.0
+    for flags, message in ((["--sampler", "balanced"], "--sampler balanced with --task "),
+                           (["--demo"], " with --demo: those make class folders")):
+        with pytest.raises(UserError, match=message):
+            parse_args(get_args_parser(distributed=False), ["--task", spec, *flags])
+
+
+def test_thresholds_json_says_whether_they_were_tuned(tmp_path):
+    """multi-label.md: thresholds.json's "tuned" is whether --tune-thresholds chose them."""
+    from multi_train_utils.checkpoint import BestEpoch
+    from multi_train_utils.options import make_task
+
+    best = BestEpoch(value=0.5, epoch=3, report={"thresholds": [0.5, 0.5]})
+    for tune in (False, True):
+        make_task("multi-label", tune_thresholds=tune).write_best_files(str(tmp_path), ["a", "b"], best)
+        written = json.loads((tmp_path / "thresholds.json").read_text())
+        assert written == {"classes": {"a": 0.5, "b": 0.5}, "tuned": tune, "epoch": 3}
