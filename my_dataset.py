@@ -24,6 +24,7 @@ or ``random`` instead.
 from multi_train_utils.datasets import Datasets, MyDataSet, image_file_datasets  # noqa: F401 (the tutorial's MyDataSet)
 from multi_train_utils.file_list import listed_once
 from multi_train_utils.images import build_transforms  # noqa: F401 (for datasets of your own, as below)
+from multi_train_utils.options import task_of
 from utils import read_label_files, read_split_data
 
 
@@ -53,8 +54,9 @@ def build_datasets(args):
     """
     check = args.check_images  # open every image first (slow on large data)
     if args.train_list:
+        rows = task_of(args).several_labels  # path,labels: several classes a row (--multi-label, or a task's)
         split = listed_once(lambda: read_label_files(args.train_list, args.val_list, args.val_rate, args.seed, check,
-                                                     multi_label=args.multi_label))
+                                                     multi_label=rows))
     else:
         split = listed_once(lambda: read_split_data(args.data_path, args.val_rate, args.seed, args.val_path, check))
     return image_file_datasets(split, args.img_size, augment_settings(args))

@@ -267,6 +267,18 @@ def test_names_and_paths_of_a_task(tmp_path):
     tags = outcome(lambda: make_task(spec))
     assert not isinstance(tags, Exception) and tags.several_labels, tags
     assert tags.setting.weight == 1.0
+    from PIL import Image
+
+    from my_dataset import build_datasets
+
+    for name in ("a", "b", "c"):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{name}.png")
+    (tmp_path / "train.csv").write_text("path,labels\na.png,red blue\nb.png,\n")
+    (tmp_path / "val.csv").write_text("path,labels\nc.png,blue\n")
+    listed = ["--task", spec, "--train-list", str(tmp_path / "train.csv"), "--val-list", str(tmp_path / "val.csv")]
+    data = outcome(lambda: build_datasets(parse_args(get_args_parser(distributed=False), listed)))
+    assert not isinstance(data, Exception), data  # read as rows, as for --multi-label
+    assert data.classes == ["blue", "red"] and data.train.targets.tolist() == [[1, 1], [0, 0]]
     for flags, message in ((["--sampler", "balanced"], "--sampler balanced with --task "),
                            (["--demo"], " with --demo: those make class folders")):
         with pytest.raises(UserError, match=message):
