@@ -20,7 +20,8 @@ TASK = os.path.join(REPO, "tests", "helpers", "ordinal_task.py") + ":Ordinal"
 def ordinal_run(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ordinal") / "out"
     flags = ["--data-path", tiny_data["train"], "--val-path", tiny_data["val"], "--check-images", *FAST,
-             "--output-dir", str(out), "--log-dir", str(out) + "-tb", "--workers", "0", "--task", TASK]
+             "--output-dir", str(out), "--log-dir", str(out) + "-tb", "--workers", "0", "--task", TASK,
+             "--amp", "off"]  # fp32 on every CPU kind: predict.py's fp32 argmax is then --eval-only's
     ddp = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
                *flags, "--epochs", "1"])
     assert ddp.returncode == 0, ddp.stdout + ddp.stderr
