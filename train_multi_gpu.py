@@ -26,6 +26,7 @@ from torch.utils.data import BatchSampler
 from model import create_loss, create_lr_scheduler, create_model, create_optimizer
 from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import TrainState, restore_training_state
+from multi_train_utils.decider import EpochDecider
 from multi_train_utils.distributed_utils import (configure_cpu_threads, connect_store, init_distributed_mode,
                                                  leaves_process_group, meet_node_peers, processes_sharing_cores,
                                                  read_dist_env, select_device, start_local_processes)
@@ -36,7 +37,7 @@ from multi_train_utils.epoch_position import EpochBatchSampler
 from multi_train_utils.loaders import SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.model_setup import ModelSpec, build_model, use_sync_bn
-from multi_train_utils.options import get_args_parser, parse_args, task_of
+from multi_train_utils.options import config_of, get_args_parser, parse_args, task_of
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.run_log import RunLog
@@ -52,10 +53,11 @@ def main(argv=None):
     args = parse_args(get_args_parser(distributed=True), argv)
     if args.spawn and "RANK" not in os.environ:
         return spawn_processes(args, argv)
+    config = config_of(args)  # the same flags in frozen sections: config.data, .recipe, .run, .speed, .distributed
     env = read_dist_env(args.local_rank)
     is_main = env.rank == 0
     run_log = RunLog() if is_main else None  # what rank 0 prints goes to train.log too
-    install_stop_handlers(resume_hint(args) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
+    install_stop_handlers(resume_hint(config.run) if is_main else None)  # Ctrl-C / SIGTERM: out within seconds
     if env.launcher == "torchrun":
         die_with_launcher()  # a torchrun killed with kill -9 takes its workers with it
 
@@ -123,8 +125,9 @@ def main(argv=None):
     state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     # ---- The epochs
-    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
-                           task=task)
+    decider = EpochDecider(state, task, config.run, checkpoint)  # the best epoch, --patience: every rank alike
+    recorder = RunRecorder(config, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
+                           task=task)  # the run's files: rank 0 writes what the decider decided
     print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
                         resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
@@ -137,12 +140,14 @@ def main(argv=None):
             train_sampler.set_epoch(epoch)  # 5. a different shuffle every epoch, the same on all ranks
             # 6. train_one_epoch averages the loss over ranks with reduce_value (every --print-freq steps)
             # inside the epoch too: a checkpoint every --checkpoint-every minutes, and at a preemption notice
-            train_stats = train_one_epoch(state, train_loader, device, epoch, settings, checkpoints=recorder.checkpoints)
+            train_stats = train_one_epoch(state, train_loader, device, epoch, settings, hook=recorder.checkpoints)
             result = evaluate(model, val_loader, device, num_classes, settings)
             ema_result = evaluate(state.ema.module, val_loader, device, num_classes, settings) if state.ema else None
             # 7. Rank 0 saves the checkpoint, the epoch's weights and metrics.csv (the others skip it).
-            recorder.end_epoch(epoch, train_stats, result, ema_result, seconds=time.perf_counter() - start)
-        recorder.finish()  # curves, confusion matrix, end summary
+            source = decider.end_epoch(epoch, result, ema_result)  # the best epoch (the model's or the EMA's)
+            recorder.end_epoch(epoch, train_stats, result, ema_result, seconds=time.perf_counter() - start,
+                               source=source)
+        recorder.finish(decider)  # curves, confusion matrix, end summary
     # 8. On the way out, also on an error, @leaves_process_group's cleanup(): every process leaves
     #    the process group, without waiting long for peers that may be gone (NCCL's is aborted).
 

@@ -16,6 +16,7 @@ from torch.utils.data import BatchSampler
 from model import create_loss, create_lr_scheduler, create_model, create_optimizer
 from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import TrainState, restore_training_state
+from multi_train_utils.decider import EpochDecider
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.ema import make_model_ema
 from multi_train_utils.errors import run_cli
@@ -24,7 +25,7 @@ from multi_train_utils.epoch_position import EpochBatchSampler
 from multi_train_utils.loaders import SeededSamples, ShardSampler, make_loader, seed_epoch
 from multi_train_utils.mixing import make_batch_mixer
 from multi_train_utils.model_setup import ModelSpec, build_model
-from multi_train_utils.options import get_args_parser, parse_args, task_of
+from multi_train_utils.options import config_of, get_args_parser, parse_args, task_of
 from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.run_log import RunLog
@@ -37,8 +38,9 @@ from my_dataset import build_datasets
 def main(argv=None):
     # ---- The process: flags, device, precision
     args = parse_args(get_args_parser(distributed=False), argv)
+    config = config_of(args)  # the same flags in frozen sections: config.data, .recipe, .run, .speed, .distributed
     run_log = RunLog()  # what this process prints goes to train.log too, once the output dir is checked
-    install_stop_handlers(resume_hint(args))  # Ctrl-C / SIGTERM: out within seconds
+    install_stop_handlers(resume_hint(config.run))  # Ctrl-C / SIGTERM: out within seconds
     device = select_device(args.device)
     workers = configure_cpu_threads(device, args.threads, args.workers)  # torch's threads; the loader's workers
     configure_backends(device)  # cuDNN autotuner, TF32
@@ -84,8 +86,9 @@ def main(argv=None):
     state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     # ---- The epochs
-    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
-                           task=task)
+    decider = EpochDecider(state, task, config.run, checkpoint)  # the best epoch, --patience: every rank alike
+    recorder = RunRecorder(config, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
+                           task=task)  # the run's files: rank 0 writes what the decider decided
     print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
                         resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
@@ -97,11 +100,13 @@ def main(argv=None):
             seed_epoch(args.seed, epoch)  # dropout & co: the same on a rerun or resume
             train_sampler.set_epoch(epoch)
             # inside the epoch too: a checkpoint every --checkpoint-every minutes, and at a preemption notice
-            train_stats = train_one_epoch(state, train_loader, device, epoch, settings, checkpoints=recorder.checkpoints)
+            train_stats = train_one_epoch(state, train_loader, device, epoch, settings, hook=recorder.checkpoints)
             result = evaluate(model, val_loader, device, num_classes, settings)
             ema_result = evaluate(state.ema.module, val_loader, device, num_classes, settings) if state.ema else None
-            recorder.end_epoch(epoch, train_stats, result, ema_result, seconds=time.perf_counter() - start)
-        recorder.finish()  # curves, confusion matrix, end summary
+            source = decider.end_epoch(epoch, result, ema_result)  # the best epoch (the model's or the EMA's)
+            recorder.end_epoch(epoch, train_stats, result, ema_result, seconds=time.perf_counter() - start,
+                               source=source)
+        recorder.finish(decider)  # curves, confusion matrix, end summary
 
 
 if __name__ == "__main__":

@@ -133,11 +133,11 @@ def warn_if_files_changed(checkpoint, path, data):
               "so the run will not repeat the original exactly", flush=True)
 
 
-def resume_hint(args):
-    """What to tell a user whose run was interrupted."""
-    if args.eval_only:
+def resume_hint(run):
+    """What to tell a user whose run was interrupted (``run``: the flags' run section)."""
+    if run.eval_only:
         return "the evaluation did not finish and wrote nothing; run the same command again"
-    return (f"to continue from the last checkpoint (in {args.output_dir}/checkpoint.pth), "
+    return (f"to continue from the last checkpoint (in {run.output_dir}/checkpoint.pth), "
             "run the same command with --resume auto")
 
 

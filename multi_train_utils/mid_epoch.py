@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,42 @@ def requeue_job():
     return f"requeued SLURM job {job} (scontrol requeue): it continues with --resume auto"
 
 
-class MidEpochCheckpoints:
-    """When training saves inside an epoch, and the save itself.
+class StepHook:
+    """What train_one_epoch calls around its steps; this one does nothing.
+
+    ``wishes()``: this rank's numbers, summed over ranks in the all-reduce that reads the
+    loss (no collective of their own); ``after_step``: the step done, with the summed wishes
+    where they were agreed (None elsewhere), so that every rank acts alike."""
+
+    def wishes(self):
+        return [0.0, 0.0]
+
+    def start_epoch(self):
+        """A new epoch (or the rest of a resumed one) begins."""
+
+    def after_step(self, step, agreed, *, group_end, last_step, loss_sum, position):
+        """After ``step`` (its accumulation group ends at ``group_end``; the epoch at
+        ``last_step``); ``loss_sum``: this rank's; ``position()``: the EpochPosition after it."""
+
+
+@dataclass
+class SavePlan:
+    """When to save inside the epoch: after step ``at``, the end of the accumulation group in
+    which every rank decided to (never the epoch's last step: its end saves anyway), and
+    whether to stop then (``notice``)."""
+
+    at: Optional[int] = None
+    notice: bool = False
+
+    def decide(self, time_due, noticed, group_end, last_step):
+        """The summed wishes of this step (agreed by every rank)."""
+        if self.at is None and (time_due or noticed) and group_end < last_step:
+            self.at = group_end
+        self.notice = self.notice or bool(noticed)
+
+
+class MidEpochCheckpoints(StepHook):
+    """When training saves inside an epoch, and the save itself: the run's StepHook.
 
     ``minutes``: --checkpoint-every (0: never on time); ``write(position)``: rank 0's save of
     the training state at an ``epoch_position.EpochPosition``; ``hint``: how to continue;
@@ -47,11 +83,23 @@ class MidEpochCheckpoints:
         self.seconds = minutes * 60.0
         self.write, self.hint, self.requeue = write, hint, requeue
         self.last_save = time.monotonic()
+        self.plan = SavePlan()
 
-    def flags(self):
+    def wishes(self):
         """This rank's wishes, for the all-reduce of the loss: [time to save, a notice came]."""
         due = self.seconds > 0 and time.monotonic() - self.last_save >= self.seconds
         return [float(due), float(notice_received() is not None)]
+
+    def start_epoch(self):
+        self.plan = SavePlan()
+
+    def after_step(self, step, agreed, *, group_end, last_step, loss_sum, position):
+        """Decide on the agreed wishes; at the planned step, save (and at a notice, stop)."""
+        if agreed is not None:
+            self.plan.decide(*agreed, group_end=group_end, last_step=last_step)
+        if step == self.plan.at:
+            self.save(position(), loss_sum, self.plan.notice)  # at a notice: raises Preempted after it
+            self.plan.at = None
 
     def saved(self):
         """A checkpoint was written (inside the epoch or at its end): the clock starts again."""

@@ -10,10 +10,12 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import dataclass, make_dataclass
+from typing import Any, Mapping
 
 from multi_train_utils.errors import UserError, printable
 from multi_train_utils.multi_label import MultiLabel
-from multi_train_utils.run_files import read_run_args
+from multi_train_utils.run_files import args_to_dict, read_run_args
 from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.task import Task
 
@@ -317,6 +319,60 @@ def parse_args(parser, argv=None):
     check_data_flags(args, given)
     check_complete(args)
     return args
+
+
+# --- One config ------------------------------------------------------------------------------
+
+# The section of each flag of the "common" help group; every other flag is in the section of
+# its group (data, recipe, run, speed; distributed and multi-GPU: distributed).
+COMMON_SECTIONS = {"data_path": "data", "demo": "data", "model": "recipe", "weights": "recipe", "epochs": "recipe",
+                   "batch_size": "recipe", "lr": "recipe", "device": "speed", "output_dir": "run", "resume": "run",
+                   "eval_only": "run"}
+SECTIONS = ("data", "recipe", "run", "speed", "distributed")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The checked flags, in frozen sections of the --help's topics: ``data`` (where the images
+    are, how they are split and read), ``recipe`` (model, epochs, augmentation, loss, optimizer,
+    schedule), ``run`` (files, checkpoints, evaluation: what decides the best epoch too),
+    ``speed`` and ``distributed``. Engine functions take the section they use, as
+    ``config.run.output_dir``; ``flags``: every setting as args.json keeps it."""
+
+    data: Any
+    recipe: Any
+    run: Any
+    speed: Any
+    distributed: Any
+    flags: Mapping
+
+
+def section_of_each_flag():
+    """{flag's dest: its section}, from both scripts' parsers."""
+    sections = dict(COMMON_SECTIONS)
+    for distributed in (False, True):
+        for group in get_args_parser(distributed)._action_groups:
+            section = group.title.split(":")[0]
+            section = "distributed" if section in ("distributed", "multi-GPU") else section
+            if section in SECTIONS:
+                sections.update({action.dest: section for action in group._group_actions})
+    return sections
+
+
+_SECTION_CLASSES = {}
+
+
+def config_of(args):
+    """The flags ``args`` (as parse_args returns them) as a Config of frozen sections."""
+    if not _SECTION_CLASSES:
+        where = section_of_each_flag()
+        for section in SECTIONS:
+            names = sorted(dest for dest, its in where.items() if its == section)
+            _SECTION_CLASSES[section] = make_dataclass(section.title() + "Settings", names, frozen=True)
+    values = vars(args)
+    sections = {section: made(**{name: values[name] for name in made.__dataclass_fields__})
+                for section, made in _SECTION_CLASSES.items()}
+    return Config(**sections, flags=args_to_dict(args))
 
 
 def setting_names():

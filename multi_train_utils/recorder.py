@@ -15,7 +15,7 @@ from multi_train_utils.inputs import file_list_fingerprint, resume_hint
 from multi_train_utils.mid_epoch import MidEpochCheckpoints, agree_on_write
 from multi_train_utils.model_setup import plain_state_dict
 from multi_train_utils.process import get_world_size, is_main_process
-from multi_train_utils.run_files import (BEST_WEIGHTS, args_to_dict, clear_earlier_run, images_of,
+from multi_train_utils.run_files import (BEST_WEIGHTS, clear_earlier_run, images_of,
                                          metrics_header, model_epoch_files, write_metrics,
                                          write_run_settings)
 from multi_train_utils.single_label import SingleLabel
@@ -25,7 +25,9 @@ from multi_train_utils.summary import class_counts, print_end_summary
 
 class RunRecorder:
     """Writes a run's files, from rank 0 (``enabled``: default, whether this process is rank
-    0); keeps ``state``'s best epoch and stop reason up to date on every rank.
+    0), as ``config`` (options.Config: its run section, --epochs, the flags) asks; what it
+    writes of the best epoch and the stop, decider.EpochDecider decided (``state.best``,
+    ``state.stop_reason``).
 
     At the start: --output-dir made ready (``clear_earlier_run``: leftover temporary files,
     and with --overwrite the earlier run; ``set_aside_damaged_checkpoint``), then train.log
@@ -40,23 +42,21 @@ class RunRecorder:
     with the position in the epoch.
     """
 
-    def __init__(self, args, data, state=None, checkpoint=None, resume_path=None, run_log=None, enabled=None,
+    def __init__(self, config, data, state=None, checkpoint=None, resume_path=None, run_log=None, enabled=None,
                  world_size=None, task=None):
         self.enabled = is_main_process() if enabled is None else enabled
-        self.args = args
+        self.run, self.epochs = config.run, config.recipe.epochs  # files, checkpoints, pictures; --epochs
+        self.flags = config.flags  # every setting, as args.json and the checkpoint keep them
         self.task = task or SingleLabel()  # what the evaluations mean: their cells, line, best and report
         self.classes = data.classes
         self.world_size = get_world_size() if world_size is None else world_size
         # which files it trains on: a resume compares
         self.file_list = file_list_fingerprint(data) if self.enabled else None
-        self.output_dir = args.output_dir
+        self.output_dir = self.run.output_dir
         checkpoint = complete_checkpoint(checkpoint) if checkpoint else {}  # read as load_checkpoint reads it
         self.rows = list(checkpoint["metrics"]) if checkpoint else []
-        # The best epoch by --best-metric, of the model or its EMA (state.best); kept on
-        # every rank, since every rank decides alike when --patience runs out.
+        # The best epoch and the stop (state.best, state.stop_reason): decider.EpochDecider's.
         self.state = state if state is not None else TrainState(None)
-        if checkpoint:
-            self.state.stop_reason = self._patience_ran_out(int(checkpoint["epoch"]))
         self.started = time.perf_counter()
         self.drawn = []  # the pictures plot_data drew
         self.run_log = run_log
@@ -66,15 +66,15 @@ class RunRecorder:
         # Resumed in its own folder: the same TensorBoard run, minus what lost epochs logged.
         self.log_dir = checkpoint["log_dir"] if checkpoint and resuming_here else None
         self.log_dir = self.log_dir or os.path.join(
-            args.log_dir, f"{os.path.basename(os.path.abspath(args.output_dir))}-{time.strftime('%Y%m%d-%H%M%S')}"
+            self.run.log_dir, f"{os.path.basename(os.path.abspath(self.output_dir))}-{time.strftime('%Y%m%d-%H%M%S')}"
                           f"-{os.getpid()}")
         self.writer = None
         self.resume_lines = []  # where a resumed run goes on: the start summary prints them
         # A weak reference back to this recorder: a cycle would keep the model (and DDP's process
         # group) alive after the run, to be torn down while the interpreter exits.
         save_inside_epoch = weakref.WeakMethod(self._save_inside_epoch)
-        self.checkpoints = MidEpochCheckpoints(args.checkpoint_every, lambda position: save_inside_epoch()(position),
-                                               hint=resume_hint(args), requeue=args.requeue)
+        self.checkpoints = MidEpochCheckpoints(self.run.checkpoint_every, lambda position: save_inside_epoch()(position),
+                                               hint=resume_hint(self.run), requeue=self.run.requeue)
         self.position = checkpoint["position"] if checkpoint else None  # inside the epoch of the checkpoint
         arm_notices()  # from now on SIGTERM and SIGUSR1 save, then stop
         error = None
@@ -88,13 +88,13 @@ class RunRecorder:
     def _start_files(self, data, checkpoint, resume_path, resuming_here):
         """Rank 0: --output-dir made ready, train.log, args.json, class_indices.json, metrics.csv
         (resuming: the files of the checkpoint's epoch), TensorBoard's writer."""
-        args, run_log = self.args, self.run_log
-        clear_earlier_run(args, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
+        run_log = self.run_log
+        clear_earlier_run(self.run, checkpoint or None)  # leftover temporary files; with --overwrite, the earlier run
         set_aside_damaged_checkpoint(self.output_dir, resume_path)  # resumed from checkpoint-prev.pth
         os.makedirs(self.output_dir, exist_ok=True)
         if run_log is not None:  # what rank 0 printed so far, and from now on (a resumed run adds to it)
             run_log.attach(os.path.join(self.output_dir, "train.log"), append=bool(checkpoint) and resuming_here)
-        write_run_settings(self.output_dir, args, self.classes, images_of(data))  # args.json, class_indices.json
+        write_run_settings(self.output_dir, self.flags, self.classes, images_of(data))  # args.json, class_indices.json
         if checkpoint and checkpoint["position"]:  # inside an epoch: the epoch files are those of the epoch before
             self.resume_lines = self._describe_resume(checkpoint, resume_path)
             write_metrics(self.output_dir, self.rows, metrics_header(self.task))
@@ -109,27 +109,19 @@ class RunRecorder:
         self.writer = SummaryWriter(log_dir=self.log_dir,
                                     purge_step=int(checkpoint["epoch"]) + 1 if checkpoint else None)
 
-    def _patience_ran_out(self, epoch):
-        """Why the run ends after ``epoch`` under --patience, or None if it goes on."""
-        patience, best = self.args.patience, self.state.best
-        if patience and best.epoch >= 0 and epoch - best.epoch >= patience:
-            return (f"stopped early after epoch {epoch}: no better val {self.args.best_metric} for {patience} "
-                    f"epochs (--patience {patience}; best at epoch {best.epoch})")
-        return None
-
     def _describe_resume(self, checkpoint, resume_path):
         """Lines that say where a resumed run goes on (or that it is complete)."""
         epoch, world_size = int(checkpoint["epoch"]), self.world_size
         if self.state.stop_reason:
             lines = [f"resuming from {resume_path}: the run is already complete ({self.state.stop_reason}); to train "
                      "on, resume with a larger --patience, or 0"]
-        elif epoch + 1 >= self.args.epochs:
-            lines = [f"resuming from {resume_path}: the run is already complete (all {self.args.epochs} epochs done); "
+        elif epoch + 1 >= self.epochs:
+            lines = [f"resuming from {resume_path}: the run is already complete (all {self.epochs} epochs done); "
                      "to train longer, run it again with a larger --epochs and --resume auto"]
         elif checkpoint["position"]:
             position = checkpoint["position"]
             lines = [f"resuming from {resume_path} (inside epoch {epoch + 1}: {position['done']} of its "
-                     f"{position['end']} training images done): epochs {epoch + 1} to {self.args.epochs - 1}"]
+                     f"{position['end']} training images done): epochs {epoch + 1} to {self.epochs - 1}"]
             if position["order_world_size"] != world_size:
                 lines.append(f"note: the epoch was begun by {position['order_world_size']} processes, this run has "
                              f"{world_size}: each of its remaining images is trained once, in other batches, so the "
@@ -137,7 +129,7 @@ class RunRecorder:
         else:
             optimizer = self.state.optimizer
             now = f", at lr {optimizer.param_groups[0]['lr']:.3g}" if optimizer is not None else ""
-            lines = [f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.args.epochs - 1}"
+            lines = [f"resuming from {resume_path} (epoch {epoch} done): epochs {epoch + 1} to {self.epochs - 1}"
                      + now]
         if checkpoint["world_size"] not in (None, world_size):  # None: a checkpoint that did not say
             lines.append(f"note: the checkpoint was written by {checkpoint['world_size']} processes, this run has "
@@ -189,20 +181,18 @@ class RunRecorder:
         started = time.perf_counter()
         save_checkpoint(self.output_dir, build_checkpoint(
             state, cpu_tensors(plain_state_dict(state.model)), ema_state, metrics=self.rows,
-            args=args_to_dict(self.args), classes=self.classes, file_list=self.file_list, world_size=self.world_size,
+            args=self.flags, classes=self.classes, file_list=self.file_list, world_size=self.world_size,
             log_dir=self.log_dir, position=position))
         self.position = position.to_dict()
         print(f"\ncheckpoint inside epoch {position.epoch}: step {position.step}, {position.done} of {position.end} "
               f"images ({time.perf_counter() - started:.1f} s)", flush=True)
 
-    def end_epoch(self, epoch, train_stats, eval_result, ema_result=None, seconds=0.0):
-        """After ``epoch`` (``seconds`` long): pick the best of the epoch (the model or its
-        EMA), decide on --patience, then save the checkpoint, the epoch's weights, the best
-        weights and metrics.csv (rank 0)."""
+    def end_epoch(self, epoch, train_stats, eval_result, ema_result=None, seconds=0.0, source="model"):
+        """After ``epoch`` (``seconds`` long), as decider.EpochDecider.end_epoch decided (the
+        state's best epoch and stop; ``source``: whether the model or its EMA scored better):
+        rank 0 saves the checkpoint, the epoch's weights, the best weights and metrics.csv;
+        then every rank stops if the save failed or a preemption notice came."""
         state = self.state
-        state.epoch = epoch + 1
-        source = self._update_best(epoch, eval_result, ema_result)
-        state.stop_reason = self._patience_ran_out(epoch)
         self.position = None
         error = None
         if self.enabled:
@@ -213,7 +203,7 @@ class RunRecorder:
         self.checkpoints.saved()
         # every rank: rank 0's save failed, or a preemption notice came during the epoch's end: stop now
         self.checkpoints.after_epoch_save(error, state.model,
-                                          notices=epoch + 1 < self.args.epochs and not state.stop_reason)
+                                          notices=epoch + 1 < self.epochs and not state.stop_reason)
         self.saved_epoch = epoch  # every rank knows it now, for the advice of resume_advice
 
     def _save_epoch(self, epoch, train_stats, eval_result, ema_result, source, seconds):
@@ -230,24 +220,11 @@ class RunRecorder:
         self.rows.append([cells.get(column, "") for column in metrics_header(self.task)])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, build_checkpoint(
-            state, weights, ema_state, metrics=self.rows, args=args_to_dict(self.args), classes=self.classes,
+            state, weights, ema_state, metrics=self.rows, args=self.flags, classes=self.classes,
             file_list=self.file_list, world_size=self.world_size, log_dir=self.log_dir))
         self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)
         print(epoch_line(epoch, train_stats, eval_result, ema_result, self.task), flush=True)
-
-    def _update_best(self, epoch, eval_result, ema_result):
-        """The state's best epoch, if the model or its EMA (whichever scores better) beat it;
-        returns which of the two scored better this epoch."""
-        metric, best, task = self.args.best_metric, self.state.best, self.task
-        source, result = "model", eval_result
-        if ema_result is not None and task.is_better(metric, ema_result.metric(metric), eval_result.metric(metric)):
-            source, result = "ema", ema_result
-        if task.is_better(metric, result.metric(metric), best.value):
-            best.value, best.accuracy, best.epoch, best.source = result.metric(metric), result.accuracy, epoch, source
-            kept = task.keep(result)
-            best.confusion, best.report = kept["confusion"], kept["report"]
-        return source
 
     def _log_scalars(self, epoch, train_stats, eval_result, ema_result):
         """The epoch's figures in TensorBoard (the EMA's under ema/)."""
@@ -261,7 +238,7 @@ class RunRecorder:
 
     def _prune(self, epoch):
         """--keep-last K: delete per-epoch weights older than the last K (best and checkpoint stay)."""
-        keep = self.args.keep_last
+        keep = self.run.keep_last
         if keep and keep > 0:
             for old_epoch, path in model_epoch_files(self.output_dir).items():
                 if old_epoch <= epoch - keep:
@@ -272,7 +249,7 @@ class RunRecorder:
         training images, from ``train_set``, whose items may be asked as (epoch, index)), also
         in TensorBoard (rank 0; every rank learns whether it could)."""
         error = None
-        if self.enabled and self.args.plots:
+        if self.enabled and self.run.plots:
             try:
                 self._plot_data(data, train_set, count)
             except Exception as e:  # noqa: BLE001 - every rank learns of it (agree_on_write), then it is raised
@@ -297,16 +274,18 @@ class RunRecorder:
     def _plot_path(self, name):
         return os.path.join(self.output_dir, PLOT_FILES[name])
 
-    def finish(self):
+    def finish(self, decider=None):
         """After the last epoch: curves.png, the best epoch's confusion matrix (PNG and CSV),
-        the end summary; then TensorBoard and train.log are closed."""
+        the end summary (with ``decider``'s time to the best epoch and to --target-accuracy);
+        then TensorBoard and train.log are closed."""
         if not self.enabled:
             return
-        plots = self._plot_results() if self.args.plots else []
+        plots = self._plot_results() if self.run.plots else []
         plots += self.task.report_best(self.state.best, self.classes, self.output_dir, writer=self.writer,
-                                       step=self._last_epoch(), pictures=self.args.plots)
-        print_end_summary(self.args, self.state, seconds=time.perf_counter() - self.started, plots=plots,
-                          classes=self.classes, rows=self.rows, task=self.task)
+                                       step=self._last_epoch(), pictures=self.run.plots)
+        clock = decider.time_to_target(self.rows, metrics_header(self.task)) if decider is not None else None
+        print_end_summary(self.run, self.state, seconds=time.perf_counter() - self.started, plots=plots,
+                          classes=self.classes, task=self.task, clock=clock)
         self.close()
 
     def _last_epoch(self):

@@ -69,16 +69,17 @@ def check_output_dir(output_dir, overwrite, resume_path=None):
         )
 
 
-def clear_earlier_run(args, checkpoint):
-    """Make --output-dir ready for this run: remove the temporary files of writes that a killed
-    process never finished, and, when this run starts afresh (--overwrite, or --resume auto
-    with nothing to resume), the files of an earlier run there. Other files are left alone."""
-    os.makedirs(args.output_dir, exist_ok=True)
-    for path in glob.glob(os.path.join(glob.escape(args.output_dir), ".*.tmp")):
+def clear_earlier_run(run, checkpoint):
+    """Make --output-dir ready for this run (``run``: the flags' run section): remove the
+    temporary files of writes that a killed process never finished, and, when this run starts
+    afresh (--overwrite, or --resume auto with nothing to resume), the files of an earlier run
+    there. Other files are left alone."""
+    os.makedirs(run.output_dir, exist_ok=True)
+    for path in glob.glob(os.path.join(glob.escape(run.output_dir), ".*.tmp")):
         if is_run_file(os.path.basename(path)[1:].removesuffix(".tmp").rsplit(".", 1)[0]):  # .NAME.XXXXXXXX.tmp
             os.remove(path)
-    if checkpoint is None and (args.overwrite or args.resume == "auto"):
-        for path in earlier_run_files(args.output_dir):
+    if checkpoint is None and (run.overwrite or run.resume == "auto"):
+        for path in earlier_run_files(run.output_dir):
             os.remove(path)
 
 
@@ -116,11 +117,12 @@ def images_of(data):
     return {"channels": int(channels), "mean": as_list(mean), "std": as_list(std)}
 
 
-def write_run_settings(output_dir, args, classes, images=None):
-    """args.json (every setting of the run, and under "images" what its images are: default
-    RGB_IMAGENET) and class_indices.json ({"0": "daisy", ...}), atomically."""
+def write_run_settings(output_dir, flags, classes, images=None):
+    """args.json (``flags``: every setting of the run, as ``args_to_dict`` gives them, and under
+    "images" what its images are: default RGB_IMAGENET) and class_indices.json ({"0": "daisy",
+    ...}), atomically."""
     images = images or RGB_IMAGENET
-    write_json_atomic({**args_to_dict(args), "images": images}, os.path.join(output_dir, ARGS_FILE))
+    write_json_atomic({**flags, "images": images}, os.path.join(output_dir, ARGS_FILE))
     write_json_atomic({str(i): name for i, name in enumerate(classes)}, os.path.join(output_dir, CLASSES_FILE))
 
 

@@ -14,7 +14,6 @@ from multi_train_utils.images import JPEG_DECODER
 from multi_train_utils.model_setup import count_parameters
 from multi_train_utils.pictures import PLOT_FILES
 from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized, is_main_process
-from multi_train_utils.run_files import METRICS_HEADER, metrics_header
 from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.task import MAX_CLASSES_LISTED
 
@@ -120,44 +119,20 @@ def format_duration(seconds):
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def time_to_target(args, rows, best_epoch, task=None, header=METRICS_HEADER):
-    """The end summary's line on the run's clock (metrics.csv's run_seconds, of rows in the
-    order of ``header``): the time to the best epoch and, with --target-accuracy, when the
-    ``task``'s headline (val accuracy; multi-label: mAP), of the model or its EMA, first
-    reached it."""
-    name, label = (task or SingleLabel()).headline
-    rows = [dict(zip(header, row)) for row in rows]
-    seconds = {int(r["epoch"]): float(r["run_seconds"]) for r in rows if r.get("run_seconds") not in (None, "")}
-    parts = []
-    if best_epoch in seconds:
-        parts.append(f"the best epoch ({best_epoch}) after {format_duration(seconds[best_epoch])} of training")
-    target = args.target_accuracy
-    if target is not None:
-        reached = [int(r["epoch"]) for r in rows
-                   if max(float(r[f"val_{name}"] or "nan"), float(r[f"ema_val_{name}"] or "nan")) >= target]
-        if reached and reached[0] in seconds:
-            parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}, after "
-                         f"{format_duration(seconds[reached[0]])}")
-        else:
-            parts.append(f"val {label} never reached --target-accuracy {target:g}")
-    return "run clock: " + "; ".join(parts) if parts else None
-
-
-def print_end_summary(args, state, seconds, plots=(), classes=(), rows=(), task=None):
-    """Best --best-metric and its epoch (``state.best``), whose weights model-best.pth holds
-    (the model's or its EMA's), why the run stopped early if it did, the time taken (``seconds``),
-    the run's clock (``time_to_target`` of metrics.csv's ``rows``), and where the weights and
-    ``plots`` are; what ``task`` says of the best epoch (of ``classes``; multi-label: its
-    per-class figures and thresholds)."""
+def print_end_summary(run, state, seconds, plots=(), classes=(), task=None, clock=None):
+    """Best --best-metric (of ``run``, the flags' run section) and its epoch (``state.best``),
+    whose weights model-best.pth holds (the model's or its EMA's), why the run stopped early if
+    it did, the time taken (``seconds``), the run's ``clock`` (decider.EpochDecider's
+    time_to_target), and where the weights and ``plots`` are; what ``task`` says of the best
+    epoch (of ``classes``; multi-label: its per-class figures and thresholds)."""
     task = task or SingleLabel()
-    output_dir, epoch = args.output_dir, state.best.epoch
+    output_dir, epoch = run.output_dir, state.best.epoch
     best = os.path.join(output_dir, "model-best.pth")
     print(RULE)
     if state.stop_reason:
         print(state.stop_reason)
-    print(f"best val {args.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
+    print(f"best val {run.best_metric.replace('_', ' ')}: {state.best.value:.4f} at epoch {epoch}; this session took "
           f"{format_duration(seconds)}")
-    clock = time_to_target(args, rows, epoch, task, metrics_header(task))
     if clock:
         print(clock)
     source = "the EMA of the weights (--model-ema)" if state.best.source == "ema" else "the model's weights"

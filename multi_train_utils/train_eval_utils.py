@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from multi_train_utils.checkpoint import restore_rng
 from multi_train_utils.epoch_position import MIN_IMAGES_PER_RANK
+from multi_train_utils.mid_epoch import StepHook
 from multi_train_utils.model_setup import set_train_mode
 from multi_train_utils.distributed_utils import broadcast_buffers, reduce_value
 from multi_train_utils.errors import MidRunError, UserError
@@ -76,14 +77,15 @@ class LoopSettings:
         return DeviceNormalizer(device, self.channels_last, self.mean, self.std)
 
 
-def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoints=None):
+def train_one_epoch(state, data_loader, device, epoch, settings=None, hook=None):
     """Train ``state``'s model (a ``checkpoint.TrainState``: model, optimizer, schedule, fp16
     scaler, EMA, loss, batch mixer, clock, and where a resumed epoch goes on) for one epoch;
     return TrainStats. With ``settings.accum_steps`` = k, k micro-batches' gradients make one
     optimizer step (DDP averages them only on the k-th, under ``no_sync`` before). The loss is
     read every ``print_freq`` steps, the one host sync, with the NaN check that stops every
-    rank at once and what ``checkpoints`` (``mid_epoch.MidEpochCheckpoints``) asks: a save
-    inside the epoch, or a stop at a preemption notice, at the end of that accumulation group.
+    rank at once and the wishes of ``hook`` (a ``mid_epoch.StepHook``; the run's is
+    ``MidEpochCheckpoints``: a save inside the epoch, a stop at a preemption notice), which it
+    acts on after the step.
     """
     settings = settings or LoopSettings()
     model, optimizer, mixer = state.model, state.optimizer, state.mixer
@@ -98,7 +100,8 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
     last_lr = optimizer.param_groups[0]["lr"]
     progress = tqdm(total=steps * batches.batch_size * world_size, initial=first_step * batches.batch_size * world_size,
                     unit="img", desc=f"[train epoch {epoch}]", disable=not is_main_process(), file=sys.stdout)
-    save = SavePlan()  # inside the epoch: when every rank decided to save (at a notice: and stop)
+    hook = hook or StepHook()  # checkpoints inside the epoch and preemption notices (mid_epoch)
+    hook.start_epoch()
     for step, (images, labels) in enumerate(data_loader, start=first_step):
         images, targets = to_device(images, labels)
         if mixer is not None:
@@ -118,39 +121,22 @@ def train_one_epoch(state, data_loader, device, epoch, settings=None, checkpoint
         if updates_now:
             last_lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
             optimizer_step(state, scaler, settings.clip_grad)
-        wishes = checkpoints.flags() if checkpoints is not None else [0.0, 0.0]
-        if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
-            wishes = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync, every rank's
-            progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
-        elif world_size > 1:  # a single process decides at every step: no other rank to agree with
-            wishes = [0.0, 0.0]
-        save.decide(*wishes, group_end=group_start + group_size - 1, last_step=steps - 1)
         progress.update(len(images) * world_size)
         clock.step_done(step - first_step)
-        if step == save.at:
-            position = batches.position_after(step + 1, first_step, loss_count=shown.losses_summed(step + 1),
-                                              run_seconds=state.clock.seconds(), epoch_seconds=clock.seconds())
-            checkpoints.save(position, loss_sum, save.notice)  # at a notice: raises Preempted after it
-            save.at = None
+        # The hook's wishes travel in the loss's all-reduce: agreed where the loss is read (a
+        # single process has no other rank to agree with: at every step).
+        wishes = hook.wishes()
+        agreed = wishes if world_size == 1 else None
+        if (step + 1) % settings.print_freq == 0 or step + 1 == steps:
+            agreed = shown.update(loss_sum, step + 1, first_bad_step, wishes)  # the one host sync, every rank's
+            progress.set_postfix(loss=f"{shown.mean_loss:.3f}", refresh=False)
+        hook.after_step(step, agreed, group_end=group_start + group_size - 1, last_step=steps - 1, loss_sum=loss_sum,
+                        position=lambda s=step + 1: batches.position_after(
+                            s, first_step, loss_count=shown.losses_summed(s), run_seconds=state.clock.seconds(),
+                            epoch_seconds=clock.seconds()))
     progress.close()
     state.position = None  # the next epochs are whole
     return clock.stats(shown.mean_loss, last_lr)
-
-
-@dataclass
-class SavePlan:
-    """When train_one_epoch saves inside the epoch: after step ``at``, the end of the
-    accumulation group in which every rank decided to (never the epoch's last step: its end
-    saves anyway), and whether it then stops (``notice``)."""
-
-    at: Optional[int] = None
-    notice: bool = False
-
-    def decide(self, time_due, noticed, group_end, last_step):
-        """The summed wishes of this step (``MidEpochCheckpoints.flags``, agreed by every rank)."""
-        if self.at is None and (time_due or noticed) and group_end < last_step:
-            self.at = group_end
-        self.notice = self.notice or bool(noticed)
 
 
 def start_epoch(state, data_loader, epoch, settings, device):
@@ -260,7 +246,7 @@ class LossDisplay:
         return self.earlier_losses + (steps_done - self.first_step) * get_world_size()
 
     def update(self, loss_sum, steps_done, first_bad_step, wishes=(0.0, 0.0)):
-        """Reads the mean loss and sums ``wishes`` (mid_epoch.MidEpochCheckpoints.flags) over
+        """Reads the mean loss and sums ``wishes`` (mid_epoch.StepHook.wishes) over
         ranks, in one all-reduce; returns the summed wishes."""
         bad = (first_bad_step >= 0).to(loss_sum.dtype)
         # One collective and one read of the device for all the numbers.

@@ -74,6 +74,31 @@ def full_flags(**given):
     return Namespace(**{**vars(get_args_parser(False).parse_args([])), **SINGLE_PROCESS_SETTINGS, **given})
 
 
+def run_recorder(args, data, state=None, checkpoint=None, task=None, **kwargs):
+    """The scripts' RunRecorder of the flags ``args``, with their EpochDecider: its end_epoch
+    decides (the best epoch, --patience) and then writes, and its finish prints the decider's
+    clock, as the scripts' epoch loop does. ``kwargs``: RunRecorder's own."""
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.decider import EpochDecider
+    from multi_train_utils.options import config_of
+    from multi_train_utils.recorder import RunRecorder
+
+    class DecidingRecorder(RunRecorder):
+        def end_epoch(self, epoch, train_stats, eval_result, ema_result=None, seconds=0.0):
+            source = self.decider.end_epoch(epoch, eval_result, ema_result)
+            super().end_epoch(epoch, train_stats, eval_result, ema_result, seconds=seconds, source=source)
+
+        def finish(self):
+            super().finish(self.decider)
+
+    state = state if state is not None else TrainState(None)
+    config = config_of(args)
+    decider = EpochDecider(state, task, config.run, checkpoint)  # before the recorder: the resume's stop
+    recorder = DecidingRecorder(config, data, state, checkpoint=checkpoint, task=task, **kwargs)
+    recorder.decider = decider
+    return recorder
+
+
 def help_blocks(parser):
     """{option string: its help text, on one line} from ``parser``'s --help."""
     blocks, current = {}, None

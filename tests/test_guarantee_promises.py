@@ -194,7 +194,7 @@ def resumed_recorder(tmp_path, saved_world_size, world_size, capsys):
     own folder, from a checkpoint of epoch 1 written by ``saved_world_size`` processes, in a run
     of ``world_size``."""
     from multi_train_utils.checkpoint import TrainState, complete_checkpoint
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     out = tmp_path / f"run-{saved_world_size}-{world_size}"
     args = parse_flags(False, "--model", "resnet18", "--epochs", "5", "--no-plots", "--output-dir", str(out),
@@ -202,7 +202,7 @@ def resumed_recorder(tmp_path, saved_world_size, world_size, capsys):
     checkpoint = complete_checkpoint({"epoch": 1, "model": {"w": torch.zeros(1)}, "metrics": [],
                                       "world_size": saved_world_size, "best_accuracy": 0.5, "best_value": 0.5,
                                       "best_epoch": 1})
-    recorder = RunRecorder(args, full_flags(classes=["a", "b"]), TrainState(None), checkpoint=checkpoint,
+    recorder = run_recorder(args, full_flags(classes=["a", "b"]), TrainState(None), checkpoint=checkpoint,
                            resume_path=str(out / "checkpoint.pth"), enabled=True, world_size=world_size)
     recorder.close()
     return capsys.readouterr().out + "".join(line + "\n" for line in recorder.resume_lines)
@@ -291,7 +291,7 @@ def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_bes
     import random
 
     from multi_train_utils.checkpoint import TrainState
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.single_label import EvalResult
     from multi_train_utils.train_eval_utils import TrainStats
 
@@ -301,7 +301,7 @@ def test_the_checkpoint_holds_what_guarantees_lists_and_the_one_before_stays_bes
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step))
-    recorder = RunRecorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
+    recorder = run_recorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
     results = [EvalResult(torch.tensor([[2, 1], [0, 3]])), EvalResult(torch.tensor([[3, 0], [1, 2]]))]
     for epoch, result in enumerate(results):
         model.weight.grad = torch.ones_like(model.weight)

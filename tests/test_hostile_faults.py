@@ -247,13 +247,13 @@ def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_befo
 
 
 def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path):
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     from multi_train_utils.single_label import EvalResult
 
     args = full_flags(output_dir=str(tmp_path), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")
-    resumed = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
+    resumed = run_recorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
                           resume_path=str(tmp_path / "checkpoint.pth"))
     with pytest.raises(ResourceError) as raised:
         with resumed.explain_faults():
@@ -261,7 +261,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
     assert str(raised.value) == (f"out of memory: could not allocate a block of 30.0 GB; use a smaller --batch-size "
                                  f"or --img-size; {tmp_path / 'checkpoint.pth'} (epoch 3) is intact: continue from it "
                                  "with --resume auto")
-    fresh = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False)
+    fresh = run_recorder(args, full_flags(classes=["a", "b"]), enabled=False)
     with pytest.raises(ResourceError, match=r"free space on that disk; no checkpoint was written yet$"):
         with fresh.explain_faults():
             raise ResourceError("disk full: could not write x (No space left on device); free space on that disk")
@@ -274,7 +274,7 @@ def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path
             raise ValueError("a bug")
     # resumed from a checkpoint of another folder: nothing of this run's folder is intact yet
     elsewhere = tmp_path / "elsewhere" / "checkpoint.pth"
-    moved = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
+    moved = run_recorder(args, full_flags(classes=["a", "b"]), enabled=False, checkpoint=state(3),
                         resume_path=str(elsewhere))
     with pytest.raises(ResourceError) as raised:
         with moved.explain_faults():
@@ -489,9 +489,9 @@ def test_each_run_logs_to_a_tensorboard_folder_of_its_own(tmp_path):
     process, so that runs into folders of the same name, or one after another, never mix."""
     import re
 
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     args = full_flags(output_dir=str(tmp_path / "a" / "exp"), log_dir=str(tmp_path / "tb"), patience=0,
                               best_metric="accuracy")
-    log_dir = RunRecorder(args, full_flags(classes=["a", "b"]), enabled=False).log_dir
+    log_dir = run_recorder(args, full_flags(classes=["a", "b"]), enabled=False).log_dir
     assert re.fullmatch(re.escape(str(tmp_path / "tb" / "exp")) + rf"-\d{{8}}-\d{{6}}-{os.getpid()}", log_dir), log_dir

@@ -561,7 +561,7 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
     evaluating that epoch again."""
     from multi_train_utils.checkpoint import TrainState, build_checkpoint, load_checkpoint, restore_training_state
     from multi_train_utils.datasets import Datasets
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     model = torch.nn.Linear(3, 2)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=2)
@@ -582,7 +582,7 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
                      ["a", "b"])
     from multi_train_utils.options import task_of
 
-    recorder = RunRecorder(args, empty, resumed, checkpoint=checkpoint, resume_path=str(tmp_path / "out" / "checkpoint.pth"),
+    recorder = run_recorder(args, empty, resumed, checkpoint=checkpoint, resume_path=str(tmp_path / "out" / "checkpoint.pth"),
                            task=task_of(args))
     recorder.close()
     written = json.loads((tmp_path / "out" / "thresholds.json").read_text())
@@ -677,7 +677,7 @@ def test_the_report_keeps_the_curves_of_the_classes_of_lowest_ap_point_by_point(
 def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_thresholds(tmp_path):
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.datasets import Datasets
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.train_eval_utils import TrainStats
 
     scores, targets = score_table(6, images=15)
@@ -689,7 +689,7 @@ def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_t
                      ["a", "b", "c", "d"])
     from multi_train_utils.options import task_of
 
-    recorder = RunRecorder(args, empty, state, task=task_of(args))
+    recorder = run_recorder(args, empty, state, task=task_of(args))
     recorder.end_epoch(0, TrainStats(0.5, 15, 1.0, 0.1, 15.0), MultiLabelResult(torch.tensor(scores), torch.tensor(targets)))
     recorder.finish()  # per_class_metrics.csv: the best epoch at the tuned thresholds
     row = read_metrics(tmp_path / "out")[0]

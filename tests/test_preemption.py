@@ -306,11 +306,10 @@ def test_a_rest_of_fewer_than_2_images_a_rank_is_left_out_with_no_step_before():
 
 
 def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the_target_was_reached():
-    from argparse import Namespace
-
     from multi_train_utils.checkpoint import RunClock, TrainState, restore_training_state
+    from multi_train_utils.decider import time_to_target
     from multi_train_utils.run_files import METRICS_HEADER
-    from multi_train_utils.summary import time_to_target
+    from multi_train_utils.single_label import SingleLabel
 
     model = torch.nn.Linear(2, 2)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -330,11 +329,10 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
         return [values[k] for k in METRICS_HEADER]
 
     rows = [row(0, "0.5", "", "60.0"), row(1, "0.69", "0.7", "130.0"), row(2, "0.9", "", "200.0")]
-    args = Namespace(target_accuracy=0.7, multi_label=False)
-    assert time_to_target(args, rows, 2) == ("run clock: the best epoch (2) after 3m20s of training; val accuracy 0.7 "
-                                             "first reached at epoch 1, after 2m10s")
-    args.target_accuracy = 0.95
-    assert time_to_target(args, rows, 2).endswith("val accuracy never reached --target-accuracy 0.95")
+    assert time_to_target(0.7, rows, 2, SingleLabel(), METRICS_HEADER) == (
+        "run clock: the best epoch (2) after 3m20s of training; val accuracy 0.7 first reached at epoch 1, after 2m10s")
+    assert time_to_target(0.95, rows, 2, SingleLabel(), METRICS_HEADER).endswith(
+        "val accuracy never reached --target-accuracy 0.95")
 
 
 def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
@@ -348,22 +346,22 @@ def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
     written = []
     saves, never = mid_epoch.MidEpochCheckpoints(2.0, written.append), mid_epoch.MidEpochCheckpoints(0, written.append)
     now[0] += 119.5
-    assert saves.flags() == [0.0, 0.0]
+    assert saves.wishes() == [0.0, 0.0]
     now[0] += 0.5
-    assert saves.flags() == [1.0, 0.0] and never.flags() == [0.0, 0.0]
+    assert saves.wishes() == [1.0, 0.0] and never.wishes() == [0.0, 0.0]
     position = EpochPosition(epoch=0, done=4, end=36, order_world_size=1, step=2, train_images=36)
     assert saves.save(position, torch.tensor(3.0), notice=False)
     assert written == [position] and position.loss_sums == [3.0]
-    assert saves.flags() == [0.0, 0.0]  # the clock starts again at the save
+    assert saves.wishes() == [0.0, 0.0]  # the clock starts again at the save
     now[0] += 119.0
-    assert saves.flags() == [0.0, 0.0]
+    assert saves.wishes() == [0.0, 0.0]
     saves.saved()  # an epoch's checkpoint
     now[0] += 100.0
-    assert saves.flags() == [0.0, 0.0]
+    assert saves.wishes() == [0.0, 0.0]
     now[0] += 20.0
-    assert saves.flags() == [1.0, 0.0]
+    assert saves.wishes() == [1.0, 0.0]
     now[0] += 1e6
-    assert never.flags() == [0.0, 0.0]
+    assert never.wishes() == [0.0, 0.0]
 
 
 def test_the_fault_advice_names_the_checkpoint_inside_the_epoch(tmp_path):
@@ -378,7 +376,7 @@ def test_the_fault_advice_names_the_checkpoint_inside_the_epoch(tmp_path):
     model = torch.nn.Linear(2, 2)
     recorder = RunRecorder.__new__(RunRecorder)
     recorder.__dict__.update(state=TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)), rows=[],
-                             output_dir=str(tmp_path), args=Namespace(), classes=["a", "b"], file_list=None,
+                             output_dir=str(tmp_path), flags={}, classes=["a", "b"], file_list=None,
                              world_size=1, log_dir=None, position=None, saved_epoch=None)
     assert recorder.resume_advice() == "no checkpoint was written yet"
     recorder._save_inside_epoch(EpochPosition(epoch=0, done=8, end=36, order_world_size=2, step=2, train_images=36))

@@ -212,7 +212,7 @@ def test_a_file_system_without_locks_warns_and_the_run_goes_on(tmp_path, monkeyp
 
 
 def test_args_json_holds_every_flag_with_absolute_data_paths(tmp_path, monkeypatch):
-    from multi_train_utils.options import get_args_parser, parse_args
+    from multi_train_utils.options import config_of, get_args_parser, parse_args
     from multi_train_utils.run_files import write_run_settings
 
     monkeypatch.chdir(tmp_path)
@@ -220,7 +220,7 @@ def test_args_json_holds_every_flag_with_absolute_data_paths(tmp_path, monkeypat
     for distributed in (False, True):
         parser = get_args_parser(distributed)
         args = parse_args(parser, ["--model", "resnet18", "--data-path", "data/x", "--val-path", "data/v"])
-        write_run_settings(str(tmp_path), args, ["a", "b"])
+        write_run_settings(str(tmp_path), config_of(args).flags, ["a", "b"])
         with open(tmp_path / "args.json") as f:
             saved = json.load(f)
         flags = {action.dest for action in parser._actions if action.dest != "help"}  # argparse's own list
@@ -379,7 +379,7 @@ def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
     """A RunRecorder (rank 0) of a tiny model through one epoch per EvalResult of ``results``;
     returns (recorder, the weights of each epoch)."""
     from multi_train_utils.ema import ModelEma
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.train_eval_utils import TrainStats
 
     args = run_args(tmp_path, *extra, *(["--model-ema"] if ema_results else []))
@@ -388,7 +388,7 @@ def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     ema = ModelEma(model, 0.9) if ema_results else None
     state = TrainState(model, optimizer, scheduler, ema=ema)
-    recorder = RunRecorder(args, full_flags(classes=classes), state, enabled=True)
+    recorder = run_recorder(args, full_flags(classes=classes), state, enabled=True)
     weights = []
     for epoch, result in enumerate(results):
         with torch.no_grad():
@@ -462,7 +462,7 @@ def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, mo
     import types
 
     from multi_train_utils import recorder
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.single_label import EvalResult
 
     first, _ = record_epochs(tmp_path, CLASSES, [EvalResult(torch.eye(5, dtype=torch.int64), None, 1.0)])
@@ -471,10 +471,10 @@ def test_tensorboard_continues_the_same_run_on_resume_in_its_folder(tmp_path, mo
     path = tmp_path / "out" / "checkpoint.pth"
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     args = run_args(tmp_path)
-    resumed = RunRecorder(args, full_flags(classes=CLASSES), enabled=False, checkpoint=checkpoint,
+    resumed = run_recorder(args, full_flags(classes=CLASSES), enabled=False, checkpoint=checkpoint,
                           resume_path=str(path))
     assert resumed.log_dir == first.log_dir and os.path.isdir(first.log_dir)
-    elsewhere = RunRecorder(run_args(tmp_path / "new"), full_flags(classes=CLASSES), enabled=False,
+    elsewhere = run_recorder(run_args(tmp_path / "new"), full_flags(classes=CLASSES), enabled=False,
                             checkpoint=checkpoint,
                             resume_path=str(path))
     assert os.path.dirname(elsewhere.log_dir) == str(tmp_path / "new" / "tb")
@@ -763,6 +763,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     lands in the folder, under the fixed names."""
     from multi_train_utils.options import get_args_parser, parse_args
     from multi_train_utils.pictures import save_confusion_matrix
+    from multi_train_utils.options import config_of
     from multi_train_utils.run_files import write_run_settings
     from multi_train_utils.summary import report_evaluation
     from multi_train_utils.single_label import EvalResult
@@ -773,7 +774,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     os.makedirs(out)
     args = parse_args(get_args_parser(False), ["--eval-only", "--weights", str(out / "model-best.pth"),
                                                "--eval-output", str(evaluation), "--data-path", str(tmp_path)])
-    write_run_settings(str(out), args, classes)
+    write_run_settings(str(out), config_of(args).flags, classes)
     confusion = torch.eye(5, dtype=torch.int64)
     save_confusion_matrix(confusion, classes, str(out), "best epoch 0")
     labels = list(range(5))
@@ -1007,7 +1008,7 @@ def test_device_auto_takes_mps_where_there_is_no_cuda(monkeypatch):
 
 def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, monkeypatch):
     from multi_train_utils import recorder as recorder_module
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.datasets import Datasets
 
     class Preview(torch.utils.data.Dataset):  # what batch_preview.png draws, asked as (epoch, index)
@@ -1025,7 +1026,7 @@ def test_class_distribution_png_counts_images_per_class_from_targets(tmp_path, m
 
     monkeypatch.setattr(recorder_module, "save_figure", keep)
     data = Datasets(Labelled([0, 0, 2, 0, 1, 2]), Labelled([2, 0]), ["a", "b", "c"])
-    recorder = RunRecorder(run_args(tmp_path, "--plots"), data, enabled=True)
+    recorder = run_recorder(run_args(tmp_path, "--plots"), data, enabled=True)
     recorder.plot_data(data, Preview())
     recorder.close()
     assert (tmp_path / "out" / "class_distribution.png").is_file()

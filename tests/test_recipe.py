@@ -320,9 +320,9 @@ def result_with(correct, total=10, loss=1.0):
 
 
 def recorder(**changes):
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
-    return RunRecorder(recipe_args(**changes), CLASSES_AB, TrainState(None), enabled=False)
+    return run_recorder(recipe_args(**changes), CLASSES_AB, TrainState(None), enabled=False)
 
 
 def train_stats():
@@ -352,13 +352,13 @@ def test_best_is_the_better_of_model_and_ema_by_best_metric_and_patience_stops()
 def test_best_source_of_each_row_is_whichever_scored_better_that_epoch(tmp_path):
     """outputs.md: `best_source`: `model` or `ema`, whichever scored better on --best-metric
     that epoch (not the source of the best epoch so far; a tie is the model's)."""
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     model = nn.Linear(2, 2)
     args = recipe_args(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1))
-    runs = RunRecorder(args, CLASSES_AB, state, enabled=True, world_size=1)
+    runs = run_recorder(args, CLASSES_AB, state, enabled=True, world_size=1)
     for epoch, (model_right, ema_right) in enumerate([(8, 5), (6, 7), (9, 9)]):
         runs.end_epoch(epoch, train_stats(), result_with(model_right), result_with(ema_right))
     runs.writer.close()
@@ -368,7 +368,7 @@ def test_best_source_of_each_row_is_whichever_scored_better_that_epoch(tmp_path)
 
 
 def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_raised():
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     from multi_train_utils.checkpoint import complete_checkpoint
 
@@ -378,7 +378,7 @@ def test_a_run_stopped_by_patience_is_complete_on_resume_unless_patience_is_rais
 
     def resumed():
         state = TrainState(None, best=BestEpoch.from_checkpoint(checkpoint))
-        return RunRecorder(args, CLASSES_AB, state, enabled=False, checkpoint=checkpoint).state
+        return run_recorder(args, CLASSES_AB, state, enabled=False, checkpoint=checkpoint).state
 
     assert resumed().stop_reason
     args.patience = 5

@@ -13,7 +13,7 @@ from torch import nn
 from conftest import read_metrics, full_flags
 from multi_train_utils.checkpoint import TrainState, find_resume_checkpoint, restore_training_state
 from multi_train_utils.ema import ModelEma
-from multi_train_utils.recorder import RunRecorder
+from conftest import run_recorder
 from multi_train_utils.single_label import EvalResult
 from multi_train_utils.train_eval_utils import TrainStats
 
@@ -21,12 +21,12 @@ DATA = full_flags(classes=["a", "b"])  # as far as RunRecorder reads the data
 EPOCHS = 10
 
 
-def recipe_args(tmp_path, best_metric, patience):
+def recipe_args(tmp_path, best_metric, patience, epochs=EPOCHS):
     from multi_train_utils.options import get_args_parser, parse_args
 
     return parse_args(get_args_parser(distributed=False), [
         "--model", "resnet18", "--model-ema", "--opt", "adamw", "--best-metric", best_metric,
-        "--patience", str(patience), "--epochs", str(EPOCHS), "--keep-last", "0", "--no-plots",
+        "--patience", str(patience), "--epochs", str(epochs), "--keep-last", "0", "--no-plots",
         "--output-dir", str(tmp_path / "run"), "--log-dir", str(tmp_path / "tb")])
 
 
@@ -67,14 +67,14 @@ class Run:
             self.model.load_state_dict(checkpoint["model"])
         restore_training_state(self.state, checkpoint)
         self.state.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 1.0)
-        self.recorder = RunRecorder(args, DATA, self.state, checkpoint=checkpoint, resume_path=path, enabled=True,
+        self.recorder = run_recorder(args, DATA, self.state, checkpoint=checkpoint, resume_path=path, enabled=True,
                                     world_size=1)
 
     def train(self, epoch, results):
         """Epochs from ``epoch`` on until --epochs or --patience: what each decided."""
         decided = {}
         state = self.state
-        for e in range(epoch, self.recorder.args.epochs):
+        for e in range(epoch, self.recorder.epochs):
             if state.stop_reason:
                 break
             self.model.weight.grad = torch.ones_like(self.model.weight)
@@ -109,12 +109,10 @@ def test_a_resume_at_any_epoch_decides_every_later_best_and_stop_as_a_run_never_
         sources = {expected[e][3] for e in expected}
         for stop_after in range(0, last):
             folder = tmp_path / f"resumed-{seed}-{stop_after}"
-            args = recipe_args(folder, best_metric, patience=3)
-            first = Run(args)
-            args.epochs = stop_after + 1  # the first run ends (is killed) after this epoch
+            # the first run ends (is killed) after this epoch
+            first = Run(recipe_args(folder, best_metric, patience=3, epochs=stop_after + 1))
             first_decided = first.train(0, results[:stop_after + 1])
-            args.epochs = EPOCHS
-            resumed = Run(args, resume="auto")
+            resumed = Run(recipe_args(folder, best_metric, patience=3), resume="auto")
             assert resumed.state.epoch == stop_after + 1
             decided = {**first_decided, **resumed.train(resumed.state.epoch, results)}
             assert decided == expected, (seed, stop_after)

@@ -37,14 +37,14 @@ def record_one_epoch(tmp_path, ema=True):
     """A RunRecorder (rank 0) of a tiny model through one epoch: training loss 1.5, last lr 0.01
     (--lr 0.05), 4.0 images/s (while images / seconds is 12 / 2.0 = 6.0)."""
     from multi_train_utils.ema import ModelEma
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     args = run_flags(tmp_path, *(["--model-ema"] if ema else []))
     model = nn.Linear(2, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = TrainState(model, optimizer, scheduler, ema=ModelEma(model, 0.9) if ema else None)
-    recorder = RunRecorder(args, full_flags(classes=["a", "b", "c"]), state, enabled=True, world_size=1)
+    recorder = run_recorder(args, full_flags(classes=["a", "b", "c"]), state, enabled=True, world_size=1)
     stats = TrainStats(mean_loss=1.5, images=12, seconds=2.0, last_lr=0.01, images_per_second=4.0)
     recorder.end_epoch(0, stats, result(*MODEL_RESULT), result(*EMA_RESULT) if ema else None, seconds=2.5)
     recorder.close()

@@ -309,10 +309,9 @@ def test_a_utf16_list_file_is_refused_in_one_line_without_nul_bytes(tmp_path):
 def test_a_run_without_ema_says_when_it_reached_the_target():
     """A crossing: --target-accuracy in a run without --model-ema, whose EMA cells are all
     empty: the first epoch whose val accuracy reached the target is named, with its run clock."""
-    from argparse import Namespace
-
+    from multi_train_utils.decider import time_to_target
     from multi_train_utils.run_files import METRICS_HEADER
-    from multi_train_utils.summary import time_to_target
+    from multi_train_utils.single_label import SingleLabel
 
     def row(epoch, accuracy, seconds):
         values = dict.fromkeys(METRICS_HEADER, "")
@@ -320,7 +319,7 @@ def test_a_run_without_ema_says_when_it_reached_the_target():
         return [values[k] for k in METRICS_HEADER]
 
     rows = [row(0, "0.4", "61.0"), row(1, "0.75", "122.4"), row(2, "0.9", "183.0")]
-    assert time_to_target(Namespace(target_accuracy=0.75, multi_label=False), rows, 2) == (
+    assert time_to_target(0.75, rows, 2, SingleLabel(), METRICS_HEADER) == (
         "run clock: the best epoch (2) after 3m03s of training; val accuracy 0.75 first reached at epoch 1, after 2m02s")
 
 

@@ -137,13 +137,13 @@ def test_the_best_epoch_keeps_the_figures_of_the_weights_it_keeps(tmp_path, kind
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.multi_label import MultiLabelResult
     from multi_train_utils.options import make_task
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.single_label import EvalResult
 
     args = full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "runs"), epochs=3,
                       best_metric="accuracy", model_ema=True, multi_label=kind == "multi-label",
                       task=kind)
-    recorder = RunRecorder(args, full_flags(classes=["a", "b"]), TrainState(None), enabled=False, task=make_task(kind))
+    recorder = run_recorder(args, full_flags(classes=["a", "b"]), TrainState(None), enabled=False, task=make_task(kind))
     if kind == "single-label":
         model, ema = EvalResult(torch.tensor([[2, 2], [2, 2]])), EvalResult(torch.tensor([[4, 0], [1, 3]]))
     else:

@@ -36,7 +36,7 @@ def test_hflip_sets_the_chance_of_a_flip_and_zero_leaves_it_out():
 def recorder_at(tmp_path, *flags):
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.ema import ModelEma
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
 
     out = tmp_path / "run"
     args = parse_flags(False, "--model", "resnet18", "--epochs", "4", "--no-plots", "--output-dir", str(out),
@@ -45,7 +45,7 @@ def recorder_at(tmp_path, *flags):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ema = ModelEma(model, 0.5) if "--model-ema" in flags else None
     state = TrainState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), ema=ema)
-    return out, RunRecorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
+    return out, run_recorder(args, full_flags(classes=["cat", "dog"]), state, enabled=True, world_size=1)
 
 
 def test_the_best_epochs_weights_are_kept_once_and_the_emas_in_a_file_of_their_own(tmp_path, capsys):
@@ -97,7 +97,7 @@ def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resume
     from multi_train_utils.checkpoint import TrainState, complete_checkpoint
     from multi_train_utils.datasets import Datasets
     from multi_train_utils.performance import Precision
-    from multi_train_utils.recorder import RunRecorder
+    from conftest import run_recorder
     from multi_train_utils.summary import print_start_summary
     from multi_train_utils.train_eval_utils import LoopSettings
     from model import create_lr_scheduler
@@ -111,7 +111,7 @@ def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resume
     state = TrainState(model, optimizer, scheduler)
     data = Datasets([(torch.zeros(3, 2, 2), 0)] * 4, [(torch.zeros(3, 2, 2), 1)] * 2, ["a", "b"])
     checkpoint = complete_checkpoint({"epoch": 1, "model": model.state_dict(), "world_size": 1})
-    recorder = RunRecorder(args, data, state, checkpoint=checkpoint, resume_path=str(out / "checkpoint.pth"),
+    recorder = run_recorder(args, data, state, checkpoint=checkpoint, resume_path=str(out / "checkpoint.pth"),
                            enabled=True, world_size=1)
     now = optimizer.param_groups[0]["lr"]
     assert now < 0.001  # the cosine has come down

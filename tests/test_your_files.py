@@ -61,7 +61,7 @@ def test_their_files_alone_are_no_earlier_run(tmp_path):
 def test_keep_last_keeps_exactly_the_last_k_epochs_and_none_of_theirs_is_pruned(tmp_path, keep_last, kept):
     folder = folder_with(tmp_path, epochs=range(6))
     recorder = RunRecorder.__new__(RunRecorder)  # only what pruning reads
-    recorder.args, recorder.output_dir = full_flags(keep_last=keep_last), str(folder)
+    recorder.run, recorder.output_dir = full_flags(keep_last=keep_last), str(folder)
     recorder._prune(5)
     assert listing(folder) == sorted(OURS + THEIRS + [f"model-{e}.pth" for e in kept])
 
