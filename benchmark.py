@@ -568,7 +568,7 @@ def save_cost_rows(models, folder, repeats, device):
                         torch.cuda.synchronize(device)
                     start = time.perf_counter()
                     save_checkpoint(folder, build_checkpoint(
-                        state, cpu_tensors(plain_state_dict(model)), metrics=[], args={}, classes=[],
+                        state, cpu_tensors(plain_state_dict(model)), metrics=[], flags={}, classes=[],
                         file_list=None, world_size=1, log_dir=None, position=position))
                     seconds.append(time.perf_counter() - start)
                 size = os.path.getsize(os.path.join(folder, "checkpoint.pth"))

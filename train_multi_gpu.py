@@ -65,7 +65,7 @@ def main(argv=None):
     #    which GPUs and cores each one sees (SLURM may give each its own GPU, or its own cores);
     #    then each takes its GPU and its share of the cores, and the group (none, and backend
     #    None, for a single process started without a launcher).
-    store = connect_store(args, env)
+    store = connect_store(config.distributed, env)
     node_peers = meet_node_peers(store, env, wants_gpus=args.device != "cpu")
     device = select_device(args.device, env.local_rank, env.local_world_size, node_peers,
                            shared_gpu_ok=args.dist_backend == "gloo")
@@ -74,7 +74,7 @@ def main(argv=None):
     configure_backends(device)  # cuDNN autotuner, TF32
     precision = choose_precision(args.amp, device)  # bf16 / fp16 / off (fp32)
     task = task_of(args)  # single-label, --multi-label or --task FILE.py:Class: labels, loss, metrics, reports
-    init_distributed_mode(args, env, device, store)
+    init_distributed_mode(config.distributed, env, device, store)
     # ---- The data
     # --output-dir locked for this run (a second run into it stops here); then the data
     # (my_dataset.build_datasets: edit it for your own), --weights, --resume and --output-dir,
@@ -83,13 +83,13 @@ def main(argv=None):
     #    rank finds a problem, all stop here. Each rank trains on its own shard of the shuffle
     #    (the same on all ranks), and validates on its shard of the validation set, without
     #    padding, so that every image counts exactly once.
-    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(args, build_datasets, device,
-                                                                            task.several_labels)
+    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(config, lambda: build_datasets(args),
+                                                                            device, task.several_labels)
     num_classes = len(data.classes)
     train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
     # A shuffle seeded by (--seed, epoch): the same on every rerun or resume. (--sampler
     # balanced: a class-balanced draw with replacement, seeded alike.)
-    train_sampler = make_train_sampler(args, train_set)
+    train_sampler = make_train_sampler(config.recipe, train_set)
     train_batch_sampler = EpochBatchSampler(train_sampler, args.batch_size)  # resumable inside an epoch
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     train_loader = make_loader(train_set, train_batch_sampler, workers, device)
@@ -105,11 +105,12 @@ def main(argv=None):
     # 3. SyncBatchNorm: batch statistics over all GPUs (--sync-bn; for small per-GPU batches).
     if use_sync_bn(args.sync_bn, device, env.distributed, compiled=args.compile, verbose=is_main):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model, channels_last = optimize_model(model, args, device, precision)  # channels_last, --compile, ...
-    settings = LoopSettings.from_args(args, precision, channels_last, data, task)  # data: its mean and std
+    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=args.model,
+                                            data_parallel=args.data_parallel)  # channels_last, --compile, ...
+    settings = LoopSettings.from_config(config, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:
-        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args, settings.task)
+        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, config, settings.task)
         return
 
     # ---- How it learns (model.py: create_loss, create_optimizer, create_lr_scheduler)
@@ -118,17 +119,17 @@ def main(argv=None):
     if env.distributed:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     state = TrainState(model, create_optimizer(model, args), scaler=precision.grad_scaler(),
-                       ema=make_model_ema(model, args))  # the scaler: fp16's loss scaling; --model-ema
+                       ema=make_model_ema(model, config.recipe))  # the scaler: fp16's loss scaling; --model-ema
     restore_training_state(state, checkpoint)  # resume: optimizer, scaler, EMA, generators, epoch (and step), best
     state.lr_scheduler = create_lr_scheduler(state.optimizer, args, len(train_loader), start_epoch=state.epoch)
     state.loss_function = create_loss(args, loss_class_weights(task, args.class_weights, train_set, num_classes))
-    state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
+    state.mixer = make_batch_mixer(config.recipe, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     # ---- The epochs
     decider = EpochDecider(state, task, config.run, checkpoint)  # the best epoch, --patience: every rank alike
     recorder = RunRecorder(config, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
                            task=task)  # the run's files: rank 0 writes what the decider decided
-    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
+    print_start_summary(config, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
                         resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from
@@ -155,7 +156,8 @@ def main(argv=None):
 def spawn_processes(args, argv):
     """--spawn N: check the input, then start N local processes with torch.multiprocessing.spawn."""
     # bad input fails here, once, before any process starts
-    load_data(args, build_datasets, world_size=args.spawn, several_labels=task_of(args).several_labels)
+    load_data(config_of(args), lambda: build_datasets(args), world_size=args.spawn,
+              several_labels=task_of(args).several_labels)
     argv = sys.argv[1:] if argv is None else argv
     context = start_local_processes(main, args.spawn, argv)
     try:

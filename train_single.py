@@ -51,13 +51,13 @@ def main(argv=None):
     # --output-dir locked for this run (a second run into it stops here); then the data
     # (my_dataset.build_datasets: edit it for your own), --weights, --resume and --output-dir,
     # all checked before anything is built or written.
-    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(args, build_datasets, device,
-                                                                            task.several_labels)
+    data, weights_state, resume_path, checkpoint, output_lock = read_inputs(config, lambda: build_datasets(args),
+                                                                            device, task.several_labels)
     num_classes = len(data.classes)
     train_set, val_set = SeededSamples(data.train, args.seed), data.val  # augmentation seeded per (epoch, image)
     # A shuffle seeded by (--seed, epoch): the same on every rerun or resume. (--sampler
     # balanced: a class-balanced draw with replacement, seeded alike.)
-    train_sampler = make_train_sampler(args, train_set)
+    train_sampler = make_train_sampler(config.recipe, train_set)
     train_batch_sampler = EpochBatchSampler(train_sampler, args.batch_size)  # resumable inside an epoch
     val_batch_sampler = BatchSampler(ShardSampler(len(val_set)), args.batch_size, drop_last=False)
     train_loader = make_loader(train_set, train_batch_sampler, workers, device)
@@ -70,26 +70,27 @@ def main(argv=None):
                         freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
-    model, channels_last = optimize_model(model, args, device, precision)  # channels_last, --compile, ...
-    settings = LoopSettings.from_args(args, precision, channels_last, data, task)  # data: its mean and std
+    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=args.model,
+                                            data_parallel=args.data_parallel)  # channels_last, --compile, ...
+    settings = LoopSettings.from_config(config, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:
-        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, args, settings.task)
+        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, config, settings.task)
         return
 
     # ---- How it learns (model.py: create_loss, create_optimizer, create_lr_scheduler)
     state = TrainState(model, create_optimizer(model, args), scaler=precision.grad_scaler(),
-                       ema=make_model_ema(model, args))  # the scaler: fp16's loss scaling; --model-ema
+                       ema=make_model_ema(model, config.recipe))  # the scaler: fp16's loss scaling; --model-ema
     restore_training_state(state, checkpoint)  # resume: optimizer, scaler, EMA, generators, epoch (and step), best
     state.lr_scheduler = create_lr_scheduler(state.optimizer, args, len(train_loader), start_epoch=state.epoch)
     state.loss_function = create_loss(args, loss_class_weights(task, args.class_weights, train_set, num_classes))
-    state.mixer = make_batch_mixer(args, num_classes)  # --mixup-alpha, --cutmix-alpha
+    state.mixer = make_batch_mixer(config.recipe, num_classes)  # --mixup-alpha, --cutmix-alpha
 
     # ---- The epochs
     decider = EpochDecider(state, task, config.run, checkpoint)  # the best epoch, --patience: every rank alike
     recorder = RunRecorder(config, data, state, checkpoint=checkpoint, resume_path=resume_path, run_log=run_log,
                            task=task)  # the run's files: rank 0 writes what the decider decided
-    print_start_summary(args, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
+    print_start_summary(config, data, state, settings, device=device, workers=workers, log_dir=recorder.log_dir,
                         resumed=recorder.resume_lines)
     recorder.plot_data(data, train_set)  # class_distribution.png, batch_preview.png
     with recorder.explain_faults():  # disk full, out of memory: one line, with the checkpoint to resume from

@@ -66,24 +66,24 @@ def required_labels(dataset, flag):
     return labels
 
 
-def make_train_sampler(args, dataset, num_replicas=None, rank=None):
+def make_train_sampler(recipe, dataset, num_replicas=None, rank=None):
     """The training sampler of rank ``rank`` of ``num_replicas`` (default: this process's, 0
-    of 1 without a process group): DistributedSampler's shuffle seeded by (seed, epoch), or
-    with --sampler balanced a BalancedDistributedSampler (a class-balanced draw with
-    replacement, seeded alike)."""
+    of 1 without a process group), as ``recipe`` (the flags' section) asks: DistributedSampler's
+    shuffle seeded by (--seed, epoch), or with --sampler balanced a BalancedDistributedSampler
+    (a class-balanced draw with replacement, seeded alike)."""
     num_replicas = get_world_size() if num_replicas is None else num_replicas
     rank = get_rank() if rank is None else rank
-    if args.sampler == "balanced":
+    if recipe.sampler == "balanced":
         return BalancedDistributedSampler(required_labels(dataset, "--sampler balanced"), num_replicas=num_replicas,
-                                          rank=rank, seed=args.seed)
-    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=args.seed)
+                                          rank=rank, seed=recipe.seed)
+    return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, seed=recipe.seed)
 
 
-def imbalance_warning(args, counts, classes, remedy="--sampler balanced or --class-weights balanced"):
+def imbalance_warning(recipe, counts, classes, remedy="--sampler balanced or --class-weights balanced"):
     """The start summary's warning line for training ``counts`` per class, or None (balanced
-    enough, or --sampler / --class-weights balanced already given); ``remedy``: the flags that
+    enough, or ``recipe``'s --sampler / --class-weights balanced already given); ``remedy``: the flags that
     help (where an image has several classes, the class weights alone)."""
-    if args.sampler != "shuffle" or args.class_weights != "none":
+    if recipe.sampler != "shuffle" or recipe.class_weights != "none":
         return None
     imbalance = find_imbalance_in_counts(counts, classes)
     return None if imbalance is None else imbalance.warning(remedy)

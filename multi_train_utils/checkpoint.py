@@ -99,12 +99,13 @@ class TrainState:
     position: Any = None  # epoch_position.EpochPosition inside the epoch the run resumes in, or None
 
 
-def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, file_list, world_size, log_dir,
+def build_checkpoint(state, weights, ema_state=None, *, metrics, flags, classes, file_list, world_size, log_dir,
                      position=None):
     """The checkpoint's dict (its one maker): ``state`` (a TrainState; its "epoch" is the last
-    one finished; ``position``: inside the next, an EpochPosition, or None), the model's ``weights`` and the EMA's ``ema_state`` already copied to the
-    CPU, the random generators' states, and the run's record: metrics.csv's rows, the flags
-    (``args``, as args.json has them), the classes, the data's files (``file_list``), the
+    one finished; ``position``: inside the next, an EpochPosition, or None), the model's
+    ``weights`` and the EMA's ``ema_state`` already copied to the CPU, the random generators'
+    states, and the run's record: metrics.csv's rows, the ``flags`` (as args.json has them,
+    under "args"), the classes, the data's files (``file_list``), the
     world size and the TensorBoard folder."""
     scaler, best = state.scaler, state.best
     return {"model": weights, "model_ema": ema_state, "optimizer": state.optimizer.state_dict(),
@@ -112,7 +113,7 @@ def build_checkpoint(state, weights, ema_state=None, *, metrics, args, classes, 
             "epoch": state.epoch - 1, "best_accuracy": best.accuracy, "best_value": best.value,
             "best_epoch": best.epoch, "best_source": best.source, "best_confusion": best.confusion,
             "best_report": best.report,
-            "stopped_early": state.stop_reason, "rng": rng_state(), "metrics": metrics, "args": args,
+            "stopped_early": state.stop_reason, "rng": rng_state(), "metrics": metrics, "args": flags,
             "classes": list(classes), "file_list": file_list, "world_size": world_size, "log_dir": log_dir,
             "position": position.to_dict() if position is not None else None,
             "run_seconds": position.run_seconds if position is not None else state.clock.seconds()}
@@ -199,13 +200,14 @@ def set_aside_damaged_checkpoint(output_dir, resume_path):
             os.replace(damaged, damaged + ".damaged")
 
 
-def check_resume_compatible(checkpoint, path, args, classes, epochs):
-    """The checkpoint must be of the same classes, and of the same flags of SAME_ON_RESUME
-    (model, frozen layers, optimizer and its parameter groups, EMA, --best-metric)."""
+def check_resume_compatible(checkpoint, path, flags, classes, epochs):
+    """The checkpoint must be of the same classes, and of the same ``flags`` (options.Config's,
+    as args.json keeps them) of SAME_ON_RESUME (model, frozen layers, optimizer and its
+    parameter groups, EMA, --best-metric)."""
     if list(checkpoint["classes"]) != list(classes):
         raise UserError(f"--resume {path}: trained on classes {checkpoint['classes']}, but --data-path has "
                         f"{classes}; resume with the same class folders or start a new --output-dir")
-    current = vars(args)
+    current = flags
     for flag, old_default in SAME_ON_RESUME.items():
         value = checkpoint["args"].get(flag, current[flag] if old_default is None else old_default)
         if value != current[flag]:

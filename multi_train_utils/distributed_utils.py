@@ -279,12 +279,13 @@ def configure_cpu_threads(device, threads=None, workers=None, sharing=1):
     return workers if workers is not None else default_workers(sharing)
 
 
-def connect_store(args, env):
+def connect_store(distributed, env):
     """The rendezvous key-value store at MASTER_ADDR:MASTER_PORT for ``--dist-url env://``
-    (every launcher here); None for a single process or another --dist-url."""
-    if not env.distributed or args.dist_url != "env://":
+    (every launcher here; ``distributed``: the flags' section); None for a single process or
+    another --dist-url."""
+    if not env.distributed or distributed.dist_url != "env://":
         return None
-    return _rendezvous_store(env, timedelta(seconds=args.dist_timeout))
+    return _rendezvous_store(env, timedelta(seconds=distributed.dist_timeout))
 
 
 _JOB = None  # this process's DistEnv, once init_distributed_mode has it
@@ -295,27 +296,27 @@ def current_job():
     return _JOB
 
 
-def init_distributed_mode(args, env, device, store=None):
+def init_distributed_mode(distributed, env, device, store=None):
     """Create the default process group when launched by torchrun, launch or SLURM; return its
     backend, or None for a single process (no process group).
 
-    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides. ``store`` is the one
-    from ``connect_store`` (None: ``--dist-url`` is used).
+    NCCL for CUDA devices, gloo otherwise; ``--dist-backend`` overrides (``distributed``: the
+    flags' section). ``store`` is the one from ``connect_store`` (None: ``--dist-url`` is used).
     """
     global _JOB
     _JOB = env
     if not env.distributed:
         return None
-    backend = args.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = distributed.dist_backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise UserError(f"--dist-backend nccl needs CUDA GPUs, but the device is {device}; use gloo")
     if not dist.is_backend_available(backend):
         raise UserError(f"--dist-backend {backend}: not built into this torch; use gloo or nccl")
-    timeout = timedelta(seconds=args.dist_timeout)
+    timeout = timedelta(seconds=distributed.dist_timeout)
     dist.init_process_group(
         backend=backend,
         store=store,
-        init_method=None if store is not None else args.dist_url,
+        init_method=None if store is not None else distributed.dist_url,
         world_size=env.world_size,
         rank=env.rank,
         timeout=timeout,

@@ -55,6 +55,6 @@ def _split(module):
     return [t for t in tensors if t.is_floating_point()], [t for t in tensors if not t.is_floating_point()]
 
 
-def make_model_ema(model, args):
-    """The ModelEma of --model-ema (with --model-ema-decay), or None without it."""
-    return ModelEma(model, args.model_ema_decay) if args.model_ema else None
+def make_model_ema(model, recipe):
+    """The ModelEma of ``recipe``'s --model-ema (with --model-ema-decay), or None without it."""
+    return ModelEma(model, recipe.model_ema_decay) if recipe.model_ema else None

@@ -31,10 +31,11 @@ class RunInputs(NamedTuple):
     output_lock: Optional[RunLock]  # this run's hold on --output-dir (the writing rank's), until it exits
 
 
-def read_inputs(args, build_datasets, device, several_labels=False):
+def read_inputs(config, build_datasets, device, several_labels=False):
     """Lock --output-dir (rank 0: the one process that writes there), then build the
-    datasets (``build_datasets(args)``, see my_dataset.py; ``several_labels``: the task's
-    labels are rows of 0/1 per class), read --weights and --resume and check --output-dir:
+    datasets (``build_datasets()``: my_dataset.py's, handed the flags by the script;
+    ``several_labels``: the task's labels are rows of 0/1 per class), read --weights and
+    --resume and check --output-dir, as ``config`` (options.Config) asks:
     a UserError on bad input (which leaves nothing behind: the lock file
     goes again at exit if nothing was written).
 
@@ -47,12 +48,12 @@ def read_inputs(args, build_datasets, device, several_labels=False):
     job = current_job()
     local_rank, world_size, main = job.local_rank if job else 0, get_world_size(), get_rank() == 0
     # 1. the output folder, the checkpoint, the data made or downloaded: no collective inside
-    lock, resume_path, checkpoint = check_on_every_rank(lambda: _prepare(args, local_rank, world_size, main), device)
+    lock, resume_path, checkpoint = check_on_every_rank(lambda: _prepare(config, local_rank, world_size, main), device)
     # 2. the datasets (a listing that rank 0 makes and broadcasts, and the checks of what they hold)
-    data = check_on_every_rank(lambda: load_data(args, build_datasets, local_rank, world_size, prepared=True,
+    data = check_on_every_rank(lambda: load_data(config, build_datasets, local_rank, world_size, prepared=True,
                                                  several_labels=several_labels), device)
     # 3. the checkpoint against the data, and --weights
-    weights = check_on_every_rank(lambda: _check_resume_and_weights(args, data, resume_path, checkpoint, main),
+    weights = check_on_every_rank(lambda: _check_resume_and_weights(config, data, resume_path, checkpoint, main),
                                   device)
     check_same_checkpoint(checkpoint, device)
     return RunInputs(data, weights, resume_path, checkpoint, lock)
@@ -69,24 +70,26 @@ def check_same_checkpoint(checkpoint, device):
                              "the images done inside the epoch of the checkpoint to resume from (-1: none)")
 
 
-def _prepare(args, local_rank=0, world_size=1, main=True):
+def _prepare(config, local_rank=0, world_size=1, main=True):
     """Step 1 of read_inputs on one rank: (lock, resume path, checkpoint). ``main``: rank 0,
     which locks and warns; local rank 0 makes --demo's data or downloads (``prepare_data``)."""
-    lock = lock_output_dir(args.output_dir) if main and not args.eval_only else None  # released at exit
-    resume_path, checkpoint = find_resume_checkpoint(args.resume, args.output_dir, main)
-    if not args.eval_only:  # before --download or --demo fetch or write anything
-        check_output_dir(args.output_dir, args.overwrite, resume_path)
-    prepare_data(args, local_rank, world_size)
+    run = config.run
+    lock = lock_output_dir(run.output_dir) if main and not run.eval_only else None  # released at exit
+    resume_path, checkpoint = find_resume_checkpoint(run.resume, run.output_dir, main)
+    if not run.eval_only:  # before --download or --demo fetch or write anything
+        check_output_dir(run.output_dir, run.overwrite, resume_path)
+    prepare_data(config.data, local_rank, world_size)
     return lock, resume_path, checkpoint
 
 
-def _check_resume_and_weights(args, data, resume_path, checkpoint, main=True):
+def _check_resume_and_weights(config, data, resume_path, checkpoint, main=True):
     """Step 3 of read_inputs: the checkpoint fits the data and the flags; --weights read (not when resuming)."""
+    recipe = config.recipe
     if checkpoint is not None:
-        check_resume_compatible(checkpoint, resume_path, args, data.classes, args.epochs)
+        check_resume_compatible(checkpoint, resume_path, config.flags, data.classes, recipe.epochs)
         if main:
             warn_if_files_changed(checkpoint, resume_path, data)
-    return read_weights(args.weights, args.model, progress=main) if args.weights and not checkpoint else None
+    return read_weights(recipe.weights, recipe.model, progress=main) if recipe.weights and not checkpoint else None
 
 
 FILE_LIST_VERSION = 2  # how file_list_fingerprint hashes (1: sorted lines of each file, before the compact list)
@@ -141,71 +144,74 @@ def resume_hint(run):
             "run the same command with --resume auto")
 
 
-def load_data(args, build_datasets, local_rank=0, world_size=1, prepared=False, several_labels=False):
+def load_data(config, build_datasets, local_rank=0, world_size=1, prepared=False, several_labels=False):
     """Generate or download the data if asked (unless ``prepared``: done already, see
-    ``prepare_data``), build the datasets and check them against the flags (and, for
-    --eval-only, against the classes of the run that wrote --weights).
+    ``prepare_data``), build the datasets (``build_datasets()``) and check them against the
+    flags of ``config`` (and, for --eval-only, against the classes of the run that wrote
+    --weights).
 
     Every rank runs this (it only reads), so every rank fails the same way on bad input.
     """
     # --eval-only: the data must have the classes in class_indices.json beside the weights
-    expected_classes = read_run_classes(os.path.dirname(os.path.abspath(args.weights))) if args.eval_only else None
+    flags, recipe, eval_only = config.data, config.recipe, config.run.eval_only
+    expected_classes = read_run_classes(os.path.dirname(os.path.abspath(recipe.weights))) if eval_only else None
     if not prepared:
-        prepare_data(args, local_rank, world_size)
+        prepare_data(flags, local_rank, world_size)
     try:
-        data = build_datasets(args)
+        data = build_datasets()
     except OSError as e:  # a folder or file that build_datasets (yours, maybe) did not find
         raise UserError(f"my_dataset.build_datasets: {e}; check --data-path (or where your datasets read)") from None
     check_datasets(data, several_labels)  # the task's labels: a class an image, or rows of 0/1
-    found, where = len(data.classes), args.train_list or args.data_path
-    if args.num_classes is not None and args.num_classes != found:
+    found, where = len(data.classes), flags.train_list or flags.data_path
+    if flags.num_classes is not None and flags.num_classes != found:
         raise UserError(
-            f"--num-classes {args.num_classes}: {where} has {found} {'classes' if args.train_list else 'class folders'} "
+            f"--num-classes {flags.num_classes}: {where} has {found} {'classes' if flags.train_list else 'class folders'} "
             f"({', '.join(data.classes)}); drop the flag or fix the data"
         )
     if expected_classes is not None and expected_classes != list(data.classes):
         raise UserError(
-            f"{'--train-list' if args.train_list else '--data-path'} {where}: classes {list(data.classes)} differ from "
+            f"{'--train-list' if flags.train_list else '--data-path'} {where}: classes {list(data.classes)} differ from "
             f"the weights' class_indices.json {expected_classes}; evaluate on data with the same classes"
         )
     share = len(data.train) // world_size
-    if not args.eval_only and share == 0:
+    if not eval_only and share == 0:
         raise UserError(
             f"{world_size} processes but only {len(data.train)} training images; "
             "start fewer processes or add images"
         )
-    if not args.eval_only and args.batch_size > share:
+    if not eval_only and recipe.batch_size > share:
         raise UserError(
-            f"--batch-size {args.batch_size}: each of the {world_size} process(es) gets only {share} of the "
+            f"--batch-size {recipe.batch_size}: each of the {world_size} process(es) gets only {share} of the "
             f"{len(data.train)} training images; use --batch-size {max(1, share)} or less"
         )
     return data
 
 
-def prepare_data(args, local_rank=0, world_size=1):
-    """--demo's data made, or --download's fetched, by local rank 0; the others wait for it."""
-    if args.demo:
-        if os.path.exists(args.data_path) and not os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
-            raise UserError(f"--demo --data-path {args.data_path}: that folder exists and is not demo data; "
+def prepare_data(flags, local_rank=0, world_size=1):
+    """--demo's data made, or --download's fetched, by local rank 0; the others wait for it
+    (``flags``: the data section)."""
+    if flags.demo:
+        if os.path.exists(flags.data_path) and not os.path.exists(os.path.join(flags.data_path, DEMO_MARKER)):
+            raise UserError(f"--demo --data-path {flags.data_path}: that folder exists and is not demo data; "
                             "drop --data-path (demo data goes to data/demo) or run without --demo")
         if local_rank == 0:
-            make_demo_dataset(args.data_path)
+            make_demo_dataset(flags.data_path)
         else:
-            wait_for_folder(args.data_path)
-    if args.download:
-        marker = download_failure_marker(args.data_path)
+            wait_for_folder(flags.data_path)
+    if flags.download:
+        marker = download_failure_marker(flags.data_path)
         if local_rank == 0:
             for stale in glob.glob(glob.escape(marker.rsplit("-", 1)[0]) + "-*"):
                 os.remove(stale)
             try:
-                download_flower_photos(args.data_path)
+                download_flower_photos(flags.data_path)
             except UserError as e:
                 if world_size > 1:  # tell the other local ranks, which wait for the folder
                     with open(marker, "w") as f:
                         f.write(str(e))
                 raise
         else:
-            wait_for_folder(args.data_path, timeout_s=3600, failure_marker=marker)
+            wait_for_folder(flags.data_path, timeout_s=3600, failure_marker=marker)
 
 
 def check_datasets(data, several_labels=False):

@@ -60,10 +60,10 @@ class BatchMixer:
         return images, targets
 
 
-def make_batch_mixer(args, num_classes, rank=None):
-    """The BatchMixer of --mixup-alpha / --cutmix-alpha (seeded per rank: this process's by
-    default), or None when both are 0."""
+def make_batch_mixer(recipe, num_classes, rank=None):
+    """The BatchMixer of ``recipe``'s --mixup-alpha / --cutmix-alpha (seeded by --seed and the
+    rank: this process's by default), or None when both are 0."""
     rank = get_rank() if rank is None else rank
-    if args.mixup_alpha <= 0 and args.cutmix_alpha <= 0:
+    if recipe.mixup_alpha <= 0 and recipe.cutmix_alpha <= 0:
         return None
-    return BatchMixer(num_classes, args.mixup_alpha, args.cutmix_alpha, args.seed, rank)
+    return BatchMixer(num_classes, recipe.mixup_alpha, recipe.cutmix_alpha, recipe.seed, rank)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from multi_train_utils.errors import UserError, printable
 from multi_train_utils.multi_label import MultiLabel
-from multi_train_utils.run_files import args_to_dict, read_run_args
+from multi_train_utils.run_files import read_run_args
 from multi_train_utils.single_label import SingleLabel
 from multi_train_utils.task import Task
 
@@ -357,6 +357,17 @@ def section_of_each_flag():
             if section in SECTIONS:
                 sections.update({action.dest: section for action in group._group_actions})
     return sections
+
+
+def args_to_dict(args):
+    """The flags as JSON-friendly values (for args.json); data paths made absolute so that
+    --eval-only finds them from any folder."""
+    values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    for key in ("data_path", "val_path", "train_list", "val_list"):
+        if values.get(key):
+            values[key] = os.path.abspath(values[key])
+    return values
+
 
 
 _SECTION_CLASSES = {}

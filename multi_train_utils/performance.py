@@ -162,25 +162,26 @@ def enable_grad_checkpoint(model, model_name="the model"):
     return [name for name, _ in stages]
 
 
-def optimize_model(model, args, device, precision=None):
-    """channels_last, --grad-checkpoint and --compile (and train_single.py's --data-parallel)
-    on a model already on ``device``; what it tells, rank 0 prints.
+def optimize_model(model, speed, device, precision=None, *, model_name="the model", data_parallel=False):
+    """``speed``'s channels_last, --grad-checkpoint and --compile (and train_single.py's
+    ``data_parallel``) on a model already on ``device``; what it tells, rank 0 prints.
+    ``model_name``: --model, for --grad-checkpoint's stages.
 
     Returns ``(model, channels_last)``: the model to train, and whether it (and so its input)
     is in channels_last. Compile comes last, on the plain module (as in nanoGPT); checkpoints
     are still saved from the plain module, without prefixes.
     """
     verbose = is_main_process()
-    channels_last = wants_channels_last(args.channels_last, model, device)
+    channels_last = wants_channels_last(speed.channels_last, model, device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if args.grad_checkpoint:
-        stages = enable_grad_checkpoint(model, args.model)
+    if speed.grad_checkpoint:
+        stages = enable_grad_checkpoint(model, model_name)
         if verbose:
             print(f"grad-checkpoint: recomputing {', '.join(stages)} in backward", flush=True)
-    if args.compile:
+    if speed.compile:
         model = torch.compile(model)
-    if args.data_parallel:
+    if data_parallel:
         model = wrap_data_parallel(model, device, precision)
     return model, channels_last
 

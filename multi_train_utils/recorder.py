@@ -181,7 +181,7 @@ class RunRecorder:
         started = time.perf_counter()
         save_checkpoint(self.output_dir, build_checkpoint(
             state, cpu_tensors(plain_state_dict(state.model)), ema_state, metrics=self.rows,
-            args=self.flags, classes=self.classes, file_list=self.file_list, world_size=self.world_size,
+            flags=self.flags, classes=self.classes, file_list=self.file_list, world_size=self.world_size,
             log_dir=self.log_dir, position=position))
         self.position = position.to_dict()
         print(f"\ncheckpoint inside epoch {position.epoch}: step {position.step}, {position.done} of {position.end} "
@@ -220,7 +220,7 @@ class RunRecorder:
         self.rows.append([cells.get(column, "") for column in metrics_header(self.task)])
         self._log_scalars(epoch, train_stats, eval_result, ema_result)
         save_checkpoint(self.output_dir, build_checkpoint(
-            state, weights, ema_state, metrics=self.rows, args=self.flags, classes=self.classes,
+            state, weights, ema_state, metrics=self.rows, flags=self.flags, classes=self.classes,
             file_list=self.file_list, world_size=self.world_size, log_dir=self.log_dir))
         self.saved_epoch = epoch
         self._write_epoch_files(epoch, weights, ema_state["weights"] if ema_state else None)

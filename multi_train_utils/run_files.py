@@ -100,16 +100,6 @@ def model_epoch_files(output_dir):
 
 # --- args.json and class_indices.json -------------------------------------------------------------
 
-def args_to_dict(args):
-    """The flags as JSON-friendly values (for args.json); data paths made absolute so that
-    --eval-only finds them from any folder."""
-    values = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
-    for key in ("data_path", "val_path", "train_list", "val_list"):
-        if values.get(key):
-            values[key] = os.path.abspath(values[key])
-    return values
-
-
 def images_of(data):
     """What the images of ``data`` (a Datasets) are, as args.json keeps it."""
     channels, mean, std = images_info(data)
@@ -118,7 +108,7 @@ def images_of(data):
 
 
 def write_run_settings(output_dir, flags, classes, images=None):
-    """args.json (``flags``: every setting of the run, as ``args_to_dict`` gives them, and under
+    """args.json (``flags``: every setting of the run, as options.Config.flags holds them, and under
     "images" what its images are: default RGB_IMAGENET) and class_indices.json ({"0": "daisy",
     ...}), atomically."""
     images = images or RGB_IMAGENET

@@ -33,12 +33,13 @@ def plural(count, word, many=None):
     return f"{count} {word if count == 1 else many or word + 's'}"
 
 
-def print_start_summary(args, data, state, settings, device, workers=0, log_dir="-", resumed=()):
+def print_start_summary(config, data, state, settings, device, workers=0, log_dir="-", resumed=()):
     """Devices, data, model (``state.model``), batch, the learning-rate schedule (as the run
     was started, also when it resumes), where everything goes, then the ``resumed`` lines (where
-    a resumed run goes on); rank 0 prints it."""
+    a resumed run goes on), of ``config`` (options.Config); rank 0 prints it."""
     if not is_main_process():
         return
+    recipe, speed, run = config.recipe, config.speed, config.run
     world_size, job = get_world_size(), current_job()
     launcher = "single process" if job is None else job.launcher
     backend = dist.get_backend() if is_dist_avail_and_initialized() else "-"
@@ -51,24 +52,24 @@ def print_start_summary(args, data, state, settings, device, workers=0, log_dir=
         where = describe_device(device) + (" per process" if world_size > 1 else "")
     print(f"world size: {world_size} ({launcher}, backend {backend}), device: {where}")
     print(f"amp: {settings.precision.describe()}, channels_last: {'on' if settings.channels_last else 'off'}"
-          + (", compiled" if args.compile else "") + (", grad-checkpoint" if args.grad_checkpoint else ""))
-    print_data_summary(args, data, settings.task)
+          + (", compiled" if speed.compile else "") + (", grad-checkpoint" if speed.grad_checkpoint else ""))
+    print_data_summary(config, data, settings.task)
     trainable = count_parameters(model, trainable_only=True)
     total = count_parameters(model)
-    print(f"model: {args.model} ({total:,} parameters"
+    print(f"model: {recipe.model} ({total:,} parameters"
           + (f", {trainable:,} trainable" if trainable != total else "") + ")")
-    print(f"batch: {args.batch_size} per process x {plural(args.accum_steps, 'accumulation step')} x "
+    print(f"batch: {recipe.batch_size} per process x {plural(speed.accum_steps, 'accumulation step')} x "
           f"{plural(world_size, 'process', 'processes')} = "
-          f"{args.batch_size * args.accum_steps * world_size} per optimizer step; {plural(workers, 'loader worker')} "
+          f"{recipe.batch_size * speed.accum_steps * world_size} per optimizer step; {plural(workers, 'loader worker')} "
           f"per process; {describe_decoders(data)}")
-    scaled = f" ({args.lr:g} x {world_size} processes)" if lr != args.lr else ""
-    warmup = f"{args.warmup_epochs} warm-up epochs, then " if args.warmup_epochs else ""
-    schedule = (f"x {args.lr_gamma:g} every {args.lr_step_size} epochs" if args.lr_scheduler == "step" else
-                f"cosine to {lr * args.lrf:g} at epoch {args.epochs - 1}")
+    scaled = f" ({recipe.lr:g} x {world_size} processes)" if lr != recipe.lr else ""
+    warmup = f"{recipe.warmup_epochs} warm-up epochs, then " if recipe.warmup_epochs else ""
+    schedule = (f"x {recipe.lr_gamma:g} every {recipe.lr_step_size} epochs" if recipe.lr_scheduler == "step" else
+                f"cosine to {lr * recipe.lrf:g} at epoch {recipe.epochs - 1}")
     print(f"lr: {lr:g}{scaled}; {warmup}{schedule}")
-    print("recipe: " + describe_recipe(args))
-    print(f"outputs: {args.output_dir} (train.log, metrics.csv, model-best.pth, checkpoint.pth, plots)")
-    print(f"TensorBoard: {log_dir}; view with: tensorboard --logdir {args.log_dir}")
+    print("recipe: " + describe_recipe(config))
+    print(f"outputs: {run.output_dir} (train.log, metrics.csv, model-best.pth, checkpoint.pth, plots)")
+    print(f"TensorBoard: {log_dir}; view with: tensorboard --logdir {run.log_dir}")
     for line in resumed:
         print(line)
     print(RULE, flush=True)
@@ -93,23 +94,25 @@ def describe_decoders(data):
     return "; ".join(parts) or "images decoded by PIL"
 
 
-def describe_recipe(args):
-    """One line: optimizer, augmentation, loss, sampling, EMA, best metric and patience."""
-    decay = "" if args.norm_bias_decay else ", none on norm and bias"
-    parts = [f"{args.opt} (weight decay {args.weight_decay:g}{decay})"]
-    augment = ["crop+flip"] + ([args.auto_augment] if args.auto_augment != "none" else [])
-    augment += [f"erase {args.random_erase:g}"] if args.random_erase else []
-    augment += [f"mixup {args.mixup_alpha:g}"] if args.mixup_alpha else []
-    augment += [f"cutmix {args.cutmix_alpha:g}"] if args.cutmix_alpha else []
+def describe_recipe(config):
+    """One line: optimizer, augmentation, loss, sampling, EMA (``config.recipe``), best metric
+    and patience (``config.run``)."""
+    recipe, run = config.recipe, config.run
+    decay = "" if recipe.norm_bias_decay else ", none on norm and bias"
+    parts = [f"{recipe.opt} (weight decay {recipe.weight_decay:g}{decay})"]
+    augment = ["crop+flip"] + ([recipe.auto_augment] if recipe.auto_augment != "none" else [])
+    augment += [f"erase {recipe.random_erase:g}"] if recipe.random_erase else []
+    augment += [f"mixup {recipe.mixup_alpha:g}"] if recipe.mixup_alpha else []
+    augment += [f"cutmix {recipe.cutmix_alpha:g}"] if recipe.cutmix_alpha else []
     parts.append("augment " + " + ".join(augment))
-    if args.label_smoothing:
-        parts.append(f"label smoothing {args.label_smoothing:g}")
-    if args.class_weights != "none":
-        parts.append(f"{args.class_weights} class weights")
-    parts.append(f"{args.sampler} sampler")
-    if args.model_ema:
-        parts.append(f"EMA (decay {args.model_ema_decay:g})")
-    parts.append(f"best by val {args.best_metric}" + (f", patience {args.patience}" if args.patience else ""))
+    if recipe.label_smoothing:
+        parts.append(f"label smoothing {recipe.label_smoothing:g}")
+    if recipe.class_weights != "none":
+        parts.append(f"{recipe.class_weights} class weights")
+    parts.append(f"{recipe.sampler} sampler")
+    if recipe.model_ema:
+        parts.append(f"EMA (decay {recipe.model_ema_decay:g})")
+    parts.append(f"best by val {run.best_metric}" + (f", patience {run.patience}" if run.patience else ""))
     return "; ".join(parts)
 
 
@@ -149,20 +152,21 @@ def print_end_summary(run, state, seconds, plots=(), classes=(), task=None, cloc
     print(RULE, flush=True)
 
 
-def print_data_summary(args, data, task=None):
+def print_data_summary(config, data, task=None):
     """Rank 0's description of the data: images per class and split sizes, skipped files;
-    an imbalance warning names the flags that help ``task``."""
-    if not args.demo and not args.train_list and os.path.exists(os.path.join(args.data_path, DEMO_MARKER)):
-        print(f"note: {args.data_path} holds generated demo images (written by --demo), not real photos")
+    an imbalance warning names the flags that help ``task`` (``config``: options.Config)."""
+    flags = config.data
+    if not flags.demo and not flags.train_list and os.path.exists(os.path.join(flags.data_path, DEMO_MARKER)):
+        print(f"note: {flags.data_path} holds generated demo images (written by --demo), not real photos")
     reasons = getattr(data, "skip_reasons", None) or {}
     for path in data.skipped:
         print(f"warning: skipping {path}: {reasons.get(path, 'not a readable image')}", flush=True)
     for note in getattr(data, "notes", ()):
         print(f"warning: {note}", flush=True)
-    if args.train_list:
-        where = args.train_list + (f" + {args.val_list} (validation)" if args.val_list else "")
+    if flags.train_list:
+        where = flags.train_list + (f" + {flags.val_list} (validation)" if flags.val_list else "")
     else:
-        where = f"{args.data_path}" + (f" + {args.val_path} (validation)" if args.val_path else "")
+        where = f"{flags.data_path}" + (f" + {flags.val_path} (validation)" if flags.val_path else "")
     train, val = class_counts(data.train, data.classes), class_counts(data.val, data.classes)
     labels = training_labels(data.train)
     if labels is not None and is_multi_hot(labels):
@@ -178,7 +182,7 @@ def print_data_summary(args, data, task=None):
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
     remedy = (task or SingleLabel()).balance_flags
-    warning = imbalance_warning(args, train, data.classes, remedy) if train is not None else None
+    warning = imbalance_warning(config.recipe, train, data.classes, remedy) if train is not None else None
     if warning:
         print(f"warning: {warning}", flush=True)
 
@@ -211,14 +215,14 @@ def class_counts(dataset, classes):
     return positives_per_class(labels) if is_multi_hot(labels) else label_counts(labels, len(classes))
 
 
-def report_evaluation(result, data, args, task=None):
+def report_evaluation(result, data, config, task=None):
     """What --eval-only prints (data, then ``task``'s per-class and overall metrics) and, with
     --eval-output, writes (single-label: the confusion matrix as PNG and CSV,
-    overall_metrics.csv, per_class_metrics.csv). Rank 0 only: the other ranks return at once."""
+    overall_metrics.csv, per_class_metrics.csv); ``config``: options.Config. Rank 0 only: the other ranks return at once."""
     if not is_main_process():
         return
     task = task or SingleLabel()
-    print_data_summary(args, data, task)
+    print_data_summary(config, data, task)
     task.print_evaluation(result, data.classes)
-    if args.eval_output:
-        task.write_evaluation(result, data.classes, args.eval_output, printable(args.weights))
+    if config.run.eval_output:
+        task.write_evaluation(result, data.classes, config.run.eval_output, printable(config.recipe.weights))

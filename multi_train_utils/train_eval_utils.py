@@ -60,16 +60,16 @@ class LoopSettings:
     task: Task = field(default_factory=SingleLabel)  # what evaluation counts (task.py)
 
     @classmethod
-    def from_args(cls, args, precision, channels_last, data=None, task=None):
-        """The flags' settings, with the precision and memory format chosen for the device,
-        the normalisation of ``data`` (a Datasets; default ImageNet's) and ``task`` (default
-        single-label). --eval-only evaluates as the run that wrote --weights left the task (a
-        multi-label run: at its thresholds.json, as predict.py does)."""
+    def from_config(cls, config, precision, channels_last, data=None, task=None):
+        """``config``'s (options.Config) speed settings, with the precision and memory format
+        chosen for the device, the normalisation of ``data`` (a Datasets; default ImageNet's)
+        and ``task`` (default single-label). --eval-only evaluates as the run that wrote
+        --weights left the task (a multi-label run: at its thresholds.json, as predict.py does)."""
         _, mean, std = images_info(data) if data is not None else (3, IMAGENET_MEAN, IMAGENET_STD)
-        task = task or SingleLabel()
-        if args.eval_only and data is not None:
-            task = task.read_run_files(os.path.dirname(os.path.abspath(args.weights)), data.classes)
-        return cls(precision, channels_last, args.accum_steps, args.clip_grad, args.print_freq, mean=mean, std=std,
+        task, speed = task or SingleLabel(), config.speed
+        if config.run.eval_only and data is not None:
+            task = task.read_run_files(os.path.dirname(os.path.abspath(config.recipe.weights)), data.classes)
+        return cls(precision, channels_last, speed.accum_steps, speed.clip_grad, speed.print_freq, mean=mean, std=std,
                    task=task)
 
     def normalizer(self, device):

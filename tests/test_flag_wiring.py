@@ -15,7 +15,7 @@ from multi_train_utils.ema import make_model_ema
 from multi_train_utils.images import build_transforms
 from multi_train_utils.errors import UserError
 from multi_train_utils.mixing import make_batch_mixer
-from multi_train_utils.options import get_args_parser, parse_args
+from multi_train_utils.options import config_of, get_args_parser, parse_args
 from multi_train_utils.performance import optimize_model
 from multi_train_utils.train_eval_utils import LoopSettings
 from my_dataset import augment_settings
@@ -96,7 +96,7 @@ def test_random_erase_and_auto_augment_take_their_values(parse):
 
 def test_the_loop_takes_accumulation_clipping_and_print_frequency(parse):
     args = parse("--accum-steps", "3", "--clip-grad", "0.5", "--print-freq", "7")
-    settings = LoopSettings.from_args(args, "bf16", True)
+    settings = LoopSettings.from_config(config_of(args), "bf16", True)
     assert (settings.accum_steps, settings.clip_grad, settings.print_freq) == (3, 0.5, 7)
     assert (settings.precision, settings.channels_last) == ("bf16", True)
 

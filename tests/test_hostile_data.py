@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from conftest import FAST, PROBE, PYTHON, outcome, run, torchcodec_decodes
+from multi_train_utils.options import config_of  # noqa: E402
 import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
@@ -323,7 +324,7 @@ def test_a_resume_whose_files_differ_from_the_checkpoints_warns(hostile_run, cap
     out = hostile_run["out"]
     args = parse_args(get_args_parser(distributed=False), [*hostile_run["flags"], "--epochs", "3", "--resume", "auto"])
     capsys.readouterr()
-    inputs = read_inputs(args, build_datasets, torch.device("cpu"))  # the victim is gone: one validation image less
+    inputs = read_inputs(config_of(args), lambda: build_datasets(args), torch.device("cpu"))  # the victim is gone: one validation image less
     inputs.output_lock.discard()
     assert inputs.checkpoint["file_list"] == hostile_run["fingerprint"]
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --resume")]

@@ -10,6 +10,7 @@ import torch
 
 import tools.doctor as doctor
 from conftest import LAUNCHER_VARIABLES
+from multi_train_utils.options import config_of  # noqa: E402
 from multi_train_utils import distributed_utils
 from multi_train_utils.distributed_utils import (count_sharing, cores_per_process, default_workers,
                                                  processes_sharing_cores, read_dist_env)
@@ -128,11 +129,11 @@ def test_a_batch_larger_than_a_ranks_share_is_refused_on_two_nodes_of_one_proces
     args = parse_args(get_args_parser(distributed=True), ["--data-path", str(tmp_path / "data"), "--batch-size", "13",
                                                           "--output-dir", str(tmp_path / "out")])
     with pytest.raises(UserError) as e:
-        inputs.read_inputs(args, build_datasets, torch.device("cpu"))
+        inputs.read_inputs(config_of(args), lambda: build_datasets(args), torch.device("cpu"))
     assert str(e.value) == ("--batch-size 13: each of the 2 process(es) gets only 12 of the 24 training images; "
                             "use --batch-size 12 or less")
     args.batch_size = 12
-    assert len(inputs.read_inputs(args, build_datasets, torch.device("cpu")).data.train) == 24
+    assert len(inputs.read_inputs(config_of(args), lambda: build_datasets(args), torch.device("cpu")).data.train) == 24
 
 
 @pytest.mark.parametrize("local_rank, writes", [(0, True), (1, False)])
@@ -155,7 +156,7 @@ def test_the_first_process_of_every_node_makes_the_demo_data(tmp_path, monkeypat
     monkeypatch.setattr(inputs, "wait_for_folder", lambda path, **kw: waited.append(path))
     args = parse_args(get_args_parser(distributed=True), ["--demo", "--data-path", str(tmp_path / "demo")])
     with pytest.raises(Built):
-        inputs.load_data(args, build_datasets, local_rank=local_rank, world_size=4)
+        inputs.load_data(config_of(args), lambda: build_datasets(args), local_rank=local_rank, world_size=4)
     assert (tmp_path / "demo" / "written").is_dir() is writes
     assert waited == ([] if writes else [str(tmp_path / "demo")])
 

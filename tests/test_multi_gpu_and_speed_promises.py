@@ -14,6 +14,7 @@ from PIL import Image
 from torch import nn
 
 from conftest import REPO, parse_flags
+from multi_train_utils.options import config_of  # noqa: E402
 
 
 # --- benchmark.py --scale: simulated ImageNet-like folders ----------------------------------------
@@ -343,7 +344,7 @@ def test_the_start_up_line_prints_the_effective_batch_of_every_process_and_accum
     args = parse_flags(True, "--model", "resnet18", "--batch-size", "5", "--accum-steps", "3")
     model = nn.Linear(2, 2)
     data = Datasets(Labelled([0, 1, 0, 1]), Labelled([0, 1]), ["a", "b"])
-    summary.print_start_summary(args, data, TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+    summary.print_start_summary(config_of(args), data, TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                                 LoopSettings(), torch.device("cpu"), workers=1, log_dir="runs/x")
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("batch: 5 per process x 3 accumulation steps x 2 processes = 30 per optimizer step")

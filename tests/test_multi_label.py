@@ -572,7 +572,7 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
     args = full_flags(multi_label=True, tune_thresholds=True, output_dir=str(tmp_path / "out"),
                       log_dir=str(tmp_path / "runs"), epochs=4, resume="auto")
     os.makedirs(args.output_dir)
-    torch.save(build_checkpoint(state, model.state_dict(), metrics=[], args=vars(args), classes=["a", "b"],
+    torch.save(build_checkpoint(state, model.state_dict(), metrics=[], flags=vars(args), classes=["a", "b"],
                                 file_list=None, world_size=1, log_dir=None), tmp_path / "out" / "checkpoint.pth")
     checkpoint = load_checkpoint(str(tmp_path / "out" / "checkpoint.pth"))
     resumed = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))

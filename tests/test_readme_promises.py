@@ -12,6 +12,7 @@ from PIL import Image
 from torch import nn
 
 from conftest import CLASSES, Labelled, help_blocks, stop_handlers, train_args, full_flags
+from multi_train_utils.options import config_of  # noqa: E402
 from multi_train_utils.checkpoint import TrainState
 
 
@@ -98,13 +99,13 @@ def test_resume_with_another_model_or_freeze_layers_is_refused_naming_both_value
 
     args = run_args(tmp_path)
     saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
-    check_resume_compatible(saved, "ckpt", args, CLASSES, 4)
+    check_resume_compatible(saved, "ckpt", config_of(args).flags, CLASSES, 4)
     cases = [("model", "resnet50", "trained with --model resnet18, this run has --model resnet50"),
              ("freeze_layers", True, "trained with --no-freeze-layers, this run has --freeze-layers")]
     for flag, value, message in cases:
         changed = full_flags(**dict(vars(args), **{flag: value}))
         with pytest.raises(UserError) as error:
-            check_resume_compatible(saved, "ckpt", changed, CLASSES, 4)
+            check_resume_compatible(saved, "ckpt", config_of(changed).flags, CLASSES, 4)
         assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
 
 
@@ -117,10 +118,10 @@ def test_resume_of_a_run_that_trained_more_epochs_than_epochs_is_refused(tmp_pat
     args = run_args(tmp_path)
     saved = {"classes": CLASSES, "epoch": 4, "args": {"model": "resnet18"}}
     with pytest.raises(UserError) as error:
-        check_resume_compatible(saved, "ckpt", args, CLASSES, 4)
+        check_resume_compatible(saved, "ckpt", config_of(args).flags, CLASSES, 4)
     assert str(error.value) == ("--resume ckpt: already trained 5 epochs, more than --epochs 4; raise --epochs to "
                                 "train more")
-    check_resume_compatible(dict(saved, epoch=3), "ckpt", args, CLASSES, 4)
+    check_resume_compatible(dict(saved, epoch=3), "ckpt", config_of(args).flags, CLASSES, 4)
 
 
 def test_a_fresh_resume_auto_start_replaces_only_the_files_of_an_unfinished_attempt(tmp_path):
@@ -152,7 +153,7 @@ def test_an_earlier_runs_checkpoints_are_refused_before_anything_is_downloaded(t
     touch(out, "model-0.pth")
     args = run_args(tmp_path, "--download", "--data-path", str(tmp_path / "flowers"))
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
-        inputs.read_inputs(args, build_datasets, torch.device("cpu"))
+        inputs.read_inputs(config_of(args), lambda: build_datasets(args), torch.device("cpu"))
 
 
 def fake_all_reduce(others):
@@ -779,7 +780,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     save_confusion_matrix(confusion, classes, str(out), "best epoch 0")
     labels = list(range(5))
     data = Datasets(MyDataSet(["x"] * 5, labels), MyDataSet(["y"] * 5, labels), classes)
-    report_evaluation(EvalResult(confusion, None, 1.0), data, args)
+    report_evaluation(EvalResult(confusion, None, 1.0), data, config_of(args))
     capsys.readouterr()
     written = sorted(os.path.relpath(os.path.join(folder, name), tmp_path)
                      for folder, _, names in os.walk(tmp_path) for name in names)
@@ -1087,7 +1088,8 @@ def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, wo
     model = model or nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))  # 4 x 3 + 3 + 3 x 2 + 2 = 23 parameters
     monkeypatch.setattr(summary, "get_world_size", lambda: world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    print_start_summary(args, data, TrainState(model, optimizer), LoopSettings(), torch.device("cpu"), log_dir="runs/x")
+    print_start_summary(config_of(args), data, TrainState(model, optimizer), LoopSettings(), torch.device("cpu"),
+                        log_dir="runs/x")
     return capsys.readouterr().out.splitlines()
 
 
@@ -1648,6 +1650,6 @@ def test_the_ranks_compare_the_epoch_and_position_of_their_checkpoint(monkeypatc
     monkeypatch.setattr(inputs, "load_data", lambda *a, **k: None)
     monkeypatch.setattr(inputs, "_check_resume_and_weights", lambda *a, **k: None)
     monkeypatch.setattr(inputs, "check_same_on_every_rank", lambda value, device, what: seen.append((value, what)))
-    assert inputs.read_inputs(full_flags(), None, torch.device("cpu")).checkpoint is checkpoint
+    assert inputs.read_inputs(config_of(full_flags()), None, torch.device("cpu")).checkpoint is checkpoint
     assert seen == [(compared[0], "the checkpoint to resume from"),
                     (compared[1], "the images done inside the epoch of the checkpoint to resume from (-1: none)")]

@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import (CLASSES, PYTHON, REPO, TORCHRUN, free_port, kill_tree, metrics_without_timing, probe_records,
                       read_metrics, run, run_ranks, script, train_args)
+from multi_train_utils.options import config_of  # noqa: E402
 
 from multi_train_utils.checkpoint import BestEpoch, TrainState
 from conftest import full_flags  # noqa: E402
@@ -247,14 +248,14 @@ def test_resume_refuses_another_optimizer_parameter_groups_ema_or_best_metric():
     from multi_train_utils.errors import UserError
 
     saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
-    check_resume_compatible(saved, "ckpt", recipe_args(), CLASSES, 4)  # an older checkpoint: SGD, one group
+    check_resume_compatible(saved, "ckpt", config_of(recipe_args()).flags, CLASSES, 4)  # an older checkpoint: SGD, one group
     cases = [({"opt": "adamw"}, "trained with --opt sgd, this run has --opt adamw"),
              ({"norm_bias_decay": False}, "trained with --norm-bias-decay, this run has --no-norm-bias-decay"),
              ({"model_ema": True}, "trained with no --model-ema, this run has --model-ema"),
              ({"best_metric": "loss"}, "trained with --best-metric accuracy, this run has --best-metric loss")]
     for change, message in cases:
         with pytest.raises(UserError) as error:
-            check_resume_compatible(saved, "ckpt", recipe_args(**change), CLASSES, 4)
+            check_resume_compatible(saved, "ckpt", config_of(recipe_args(**change)).flags, CLASSES, 4)
         assert str(error.value) == f"--resume ckpt: {message}; resume with the same, or start a new --output-dir"
 
 
@@ -265,9 +266,9 @@ def test_resume_refuses_other_classes_of_the_same_count_or_order_too(classes):
 
     saved = {"classes": CLASSES, "epoch": 1, "args": {"model": "resnet18", "freeze_layers": False}}
     with pytest.raises(UserError) as error:
-        check_resume_compatible(saved, "ckpt", recipe_args(), classes, 4)
+        check_resume_compatible(saved, "ckpt", config_of(recipe_args()).flags, classes, 4)
     assert str(error.value).startswith(f"--resume ckpt: trained on classes {CLASSES}, but --data-path has {classes}")
-    check_resume_compatible(saved, "ckpt", recipe_args(), list(CLASSES), 4)
+    check_resume_compatible(saved, "ckpt", config_of(recipe_args()).flags, list(CLASSES), 4)
 
 
 # --- Augmentation ----------------------------------------------------------------------------
@@ -401,13 +402,13 @@ def test_start_summary_warns_of_imbalance_and_names_the_two_flags(capsys):
     train = MyDataSet(["x"] * 13, [0] * 10 + [1] * 3)  # 10 against 3: more than 3 times
     val = MyDataSet(["y"] * 2, [0, 1])
     data = Datasets(train, val, ["cats", "dogs"])
-    print_data_summary(recipe_args(data_path="d"), data)
+    print_data_summary(config_of(recipe_args(data_path="d")), data)
     assert ("warning: the classes are imbalanced: cats has 10 training images, dogs 3; consider --sampler balanced "
             "or --class-weights balanced") in capsys.readouterr().out
-    print_data_summary(recipe_args(data_path="d", sampler="balanced"), data)  # already taken care of
+    print_data_summary(config_of(recipe_args(data_path="d", sampler="balanced")), data)  # already taken care of
     assert "imbalanced" not in capsys.readouterr().out
     balanced = Datasets(MyDataSet(["x"] * 12, [0] * 9 + [1] * 3), val, ["cats", "dogs"])  # 3 times: fine
-    print_data_summary(recipe_args(data_path="d"), balanced)
+    print_data_summary(config_of(recipe_args(data_path="d")), balanced)
     assert "imbalanced" not in capsys.readouterr().out
 
 

@@ -13,6 +13,7 @@ import multi_train_utils.model_setup as model_setup
 import multi_train_utils.weights as weights_file
 import predict
 from conftest import SCRIPTS, full_flags
+from multi_train_utils.options import config_of  # noqa: E402
 from conftest import parse_flags as parse
 from multi_train_utils import distributed_utils, exported, pictures
 from multi_train_utils.checkpoint import load_checkpoint
@@ -22,6 +23,13 @@ from multi_train_utils.run_files import read_run_settings
 from multi_train_utils.datasets import Datasets
 from utils import read_label_files
 
+
+
+def load_data(args, build_datasets, **kwargs):
+    """inputs.load_data as the scripts call it: the flags' Config, and build_datasets handed the flags."""
+    from multi_train_utils.inputs import load_data as load
+
+    return load(config_of(args), lambda: build_datasets(args), **kwargs)
 
 
 def refusal(call, *args, **kwargs):
@@ -232,7 +240,6 @@ def test_num_classes_must_equal_the_datas_count_zero_included(given, refused, tm
     import random
 
     from conftest import write_class_folder
-    from multi_train_utils.inputs import load_data
     from my_dataset import build_datasets
 
     rng = random.Random(0)
@@ -361,7 +368,6 @@ def test_a_checkpoint_whose_optimizer_or_ema_does_not_fit_is_one_line_and_change
 
 
 def test_the_data_a_run_cannot_use_is_one_line_naming_why(tmp_path):
-    from multi_train_utils.inputs import load_data
 
     def missing(args):
         raise FileNotFoundError(2, "No such file or directory", "/data/gone")

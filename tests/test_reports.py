@@ -14,6 +14,7 @@ from multi_train_utils.summary import print_data_summary
 from multi_train_utils.single_label import EvalResult
 from multi_train_utils.pictures import most_confused_pairs
 from conftest import full_flags  # noqa: E402
+from multi_train_utils.options import config_of  # noqa: E402
 
 
 def names(n):
@@ -47,7 +48,7 @@ def test_the_data_summary_names_every_class_up_to_20_and_the_extremes_from_21(ca
     train = Split([c for c, k in enumerate(counts) for _ in range(k)])
     args = full_flags(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
                               class_weights="none")
-    print_data_summary(args, full_flags(classes=names(n), train=train, val=Split([]), skipped=[]))
+    print_data_summary(config_of(args), full_flags(classes=names(n), train=train, val=Split([]), skipped=[]))
     out = capsys.readouterr().out
     if n == 20:
         assert "data: d: " + ", ".join(f"{10 + c} class{c:02d}" for c in range(20)) + "\n" in out
@@ -143,10 +144,10 @@ def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, cap
                               class_weights="none", eval_output=str(tmp_path / "eval"), weights="w.pth")
     data = full_flags(classes=names(3), train=Split([0, 1, 2]), val=Split([0, 1, 2]), skipped=[])
     monkeypatch.setattr(summary, "is_main_process", lambda: False)
-    summary.report_evaluation(diagonal(3), data, args)
+    summary.report_evaluation(diagonal(3), data, config_of(args))
     assert capsys.readouterr().out == "" and not (tmp_path / "eval").exists()
     monkeypatch.setattr(summary, "is_main_process", lambda: True)
-    summary.report_evaluation(diagonal(3), data, args)
+    summary.report_evaluation(diagonal(3), data, config_of(args))
     assert capsys.readouterr().out.strip().splitlines()[-1] == "top1 accuracy: 1.000000 (12/12)"
     assert (tmp_path / "eval" / "per_class_metrics.csv").is_file()
 
@@ -164,7 +165,7 @@ def test_the_imbalance_warning_is_left_out_once_either_remedy_is_given(sampler, 
 def test_datasets_without_targets_get_their_class_count_and_the_split(capsys):
     args = full_flags(demo=False, train_list=None, data_path="d", val_path="v", sampler="shuffle",
                               class_weights="none")
-    print_data_summary(args, full_flags(classes=names(3), train=[0] * 5, val=[0, 0], skipped=[]))
+    print_data_summary(config_of(args), full_flags(classes=names(3), train=[0] * 5, val=[0, 0], skipped=[]))
     out = capsys.readouterr().out
     assert "data: d + v (validation): 3 classes (images per class: give the datasets .targets)\n" in out
     assert "split: 5 train, 2 val images\n" in out

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from conftest import Labelled, parse_flags, full_flags
+from multi_train_utils.options import config_of  # noqa: E402
 
 from multi_train_utils.checkpoint import TrainState
 from multi_train_utils.single_label import EvalResult
@@ -127,7 +128,7 @@ def test_the_start_summary_says_where_the_outputs_and_this_runs_tensorboard_fold
     model = nn.Linear(2, 2)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.001))
     monkeypatch.setattr(summary, "get_world_size", lambda: 1)
-    summary.print_start_summary(args, data, state, LoopSettings(), torch.device("cpu"),
+    summary.print_start_summary(config_of(args), data, state, LoopSettings(), torch.device("cpu"),
                                 log_dir=os.path.join("tb", "pets-20990101-000000-42"))
     lines = capsys.readouterr().out.splitlines()
     assert "outputs: weights/pets (train.log, metrics.csv, model-best.pth, checkpoint.pth, plots)" in lines

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from conftest import FAST, PROBE, PYTHON, REPO, outcome, probe_records, run, run_ranks
+from multi_train_utils.options import config_of  # noqa: E402
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.file_list import PathList
@@ -346,7 +347,7 @@ def test_the_start_summary_of_1000_classes_names_the_extremes_in_short_lines(cap
     train = Labelled([c for c in range(1000) for _ in range(counts[c])])
     data = Datasets(train, Labelled(list(range(1000))), CLASSES_1000)
     args = parse_args(get_args_parser(distributed=False), ["--data-path", "/data/imagenet"])
-    print_data_summary(args, data)
+    print_data_summary(config_of(args), data)
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= 200 and len(lines) <= 5, lines
     total = sum(counts) + 1000

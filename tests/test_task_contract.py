@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, full_flags, outcome
+from multi_train_utils.options import config_of  # noqa: E402
 
 TASK_FILE = os.path.join(REPO, "tests", "helpers", "ordinal_task.py")
 
@@ -182,11 +183,11 @@ def test_the_imbalance_warning_names_the_remedy_of_the_task(capsys):
     args = full_flags(demo=False, train_list="t.csv", val_list=None, data_path="d", val_path=None,
                       sampler="shuffle", class_weights="none")
     rows = Rows([[1, 0]] * 30 + [[0, 1]] * 2)
-    print_data_summary(args, full_flags(classes=["a", "b"], train=rows, val=Rows([[1, 1]]), skipped=[]),
+    print_data_summary(config_of(args), full_flags(classes=["a", "b"], train=rows, val=Rows([[1, 1]]), skipped=[]),
                        make_task("multi-label"))
     warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
     assert len(warning) == 1 and warning[0].endswith("--class-weights balanced") and "--sampler" not in warning[0]
-    print_data_summary(args, full_flags(classes=["a", "b"], train=Labels([0] * 30 + [1] * 2), val=Labels([0]),
+    print_data_summary(config_of(args), full_flags(classes=["a", "b"], train=Labels([0] * 30 + [1] * 2), val=Labels([0]),
                                         skipped=[]), make_task("single-label"))
     assert "--sampler balanced or --class-weights balanced" in capsys.readouterr().out
 

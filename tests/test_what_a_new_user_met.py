@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import full_flags, parse_flags
+from multi_train_utils.options import config_of  # noqa: E402
 
 
 def flips(transform):
@@ -115,7 +116,7 @@ def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resume
                            enabled=True, world_size=1)
     now = optimizer.param_groups[0]["lr"]
     assert now < 0.001  # the cosine has come down
-    print_start_summary(args, data, state, LoopSettings(Precision("off", "cpu")), device=torch.device("cpu"),
+    print_start_summary(config_of(args), data, state, LoopSettings(Precision("off", "cpu")), device=torch.device("cpu"),
                         workers=1, log_dir=recorder.log_dir, resumed=recorder.resume_lines)
     recorder.close()
     lines = capsys.readouterr().out.splitlines()
