@@ -50,23 +50,21 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 from tqdm import tqdm
 
 from model import create_model
+from multi_train_utils import images
 from multi_train_utils.checkpoint import TrainState, build_checkpoint, save_checkpoint
-from multi_train_utils.data_split import split_class_folders
-from multi_train_utils.datasets import MyDataSet, image_file_datasets
+from multi_train_utils.datasets import MyDataSet, image_file_datasets, make_demo_dataset, split_class_folders
 from multi_train_utils.distributed_utils import (configure_cpu_threads, cpu_cores_available, default_workers,
                                                  select_device)
 from multi_train_utils.errors import UserError, run_cli
-from multi_train_utils.example_data import make_demo_dataset
-from multi_train_utils import images
-from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
-from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
 from multi_train_utils.files import cpu_tensors
-from multi_train_utils.loaders import SeededSamples, make_loader, stack_batch
-from multi_train_utils.model_setup import ModelSpec, check_input_size, plain_state_dict
+from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
+from multi_train_utils.loaders import EpochBatchSampler, EpochPosition, SeededSamples, make_loader, stack_batch
+from multi_train_utils.model_setup import (ModelSpec, check_input_size, choose_precision, configure_backends,
+                                           optimize_model, plain_state_dict)
 from multi_train_utils.options import given_on_command_line
-from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
 from multi_train_utils.run_files import read_metrics
-from multi_train_utils.train_eval_utils import WARMUP_STEPS, LoopSettings, train_one_epoch
+from multi_train_utils.train_eval_utils import LoopSettings, WARMUP_STEPS, train_one_epoch
+
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 QUICK = {"model": "resnet18", "img_size": 64, "batch_size": 8, "num_images": 60, "steps": 3, "max_processes": 2}
@@ -322,7 +320,7 @@ WORKER_MEMORY = """import os, sys, json
 sys.path.insert(0, {repo!r})
 import torch
 from torch.utils.data import DataLoader, Dataset
-from multi_train_utils.data_split import split_class_folders
+from multi_train_utils.datasets import split_class_folders
 from multi_train_utils.datasets import MyDataSet
 
 def private_kb():

@@ -29,11 +29,12 @@ import torch
 
 from model import create_model
 from multi_train_utils.errors import UserError, printable, run_cli
-from multi_train_utils.exported import ANY_BATCH, RUN_FILE, SUFFIX, export_program, is_program, load_program, run_json
 from multi_train_utils.files import check_new_output, write_bytes_atomic
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.options import add_trained_model_flags, make_task
-from multi_train_utils.run_files import load_trained_model, read_val_resize_size, trained_model_files
+from multi_train_utils.run_files import (ANY_BATCH, RUN_FILE, SUFFIX, export_program, is_program, load_program,
+                                         load_trained_model, read_val_resize_size, run_json, trained_model_files)
+
 
 TOLERANCE = 1e-4
 SUFFIXES = {"pt2": SUFFIX, "onnx": ".onnx", "torchscript": ".torchscript.pt"}

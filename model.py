@@ -8,7 +8,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from multi_train_utils.errors import UserError
 from multi_train_utils.options import task_of
-from multi_train_utils.process import get_world_size
+from multi_train_utils.distributed_utils import get_world_size
 
 
 def create_model(name, num_classes, channels=3):

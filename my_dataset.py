@@ -22,7 +22,7 @@ NumPy's global generator is not seeded: a dataset that wants exact resume draws 
 or ``random`` instead.
 """
 from multi_train_utils.datasets import Datasets, MyDataSet, image_file_datasets  # noqa: F401 (the tutorial's MyDataSet)
-from multi_train_utils.file_list import listed_once
+from multi_train_utils.datasets import listed_once
 from multi_train_utils.images import build_transforms  # noqa: F401 (for datasets of your own, as below)
 from multi_train_utils.options import task_of
 from utils import read_label_files, read_split_data

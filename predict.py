@@ -24,13 +24,12 @@ from tqdm import tqdm
 from model import create_model
 from multi_train_utils.distributed_utils import configure_cpu_threads, select_device
 from multi_train_utils.errors import UserError, one_line, printable, run_cli
-from multi_train_utils.exported import is_program, load_program
 from multi_train_utils.files import check_new_output, write_csv_atomic
-from multi_train_utils.images import (IMG_EXTENSIONS, MODES, DeviceNormalizer, build_transforms, read_image_uint8,
-                                     unreadable_reason)
+from multi_train_utils.images import (DeviceNormalizer, IMG_EXTENSIONS, MODES, build_transforms, read_image_uint8,
+                                      unreadable_reason)
 from multi_train_utils.options import add_trained_model_flags, make_task
-from multi_train_utils.run_files import (TrainedModel, load_trained_model, read_class_indices, read_val_resize_size,
-                                         task_of_run, trained_model_files)
+from multi_train_utils.run_files import (TrainedModel, is_program, load_program, load_trained_model, read_class_indices,
+                                         read_val_resize_size, task_of_run, trained_model_files)
 
 
 def get_args_parser():

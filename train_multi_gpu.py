@@ -24,25 +24,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import BatchSampler
 
 from model import create_loss, create_lr_scheduler, create_model, create_optimizer
-from multi_train_utils.balance import loss_class_weights, make_train_sampler
 from multi_train_utils.checkpoint import TrainState, restore_training_state
-from multi_train_utils.decider import EpochDecider
 from multi_train_utils.distributed_utils import (configure_cpu_threads, connect_store, init_distributed_mode,
                                                  leaves_process_group, meet_node_peers, processes_sharing_cores,
                                                  read_dist_env, select_device, start_local_processes)
-from multi_train_utils.ema import make_model_ema
-from multi_train_utils.errors import run_cli
-from multi_train_utils.inputs import load_data, read_inputs, resume_hint
-from multi_train_utils.epoch_position import EpochBatchSampler
-from multi_train_utils.loaders import SeededSamples, ShardSampler, make_loader, seed_epoch
-from multi_train_utils.mixing import make_batch_mixer
-from multi_train_utils.model_setup import ModelSpec, build_model, use_sync_bn
+from multi_train_utils.errors import die_with_launcher, install_stop_handlers, run_cli
+from multi_train_utils.files import RunLog
+from multi_train_utils.loaders import make_batch_mixer
+from multi_train_utils.loaders import (EpochBatchSampler, SeededSamples, ShardSampler, loss_class_weights, make_loader,
+                                       make_train_sampler, seed_epoch)
+from multi_train_utils.model_setup import (ModelSpec, build_model, choose_precision, configure_backends, make_model_ema,
+                                           optimize_model, use_sync_bn)
 from multi_train_utils.options import config_of, get_args_parser, parse_args, task_of
-from multi_train_utils.performance import choose_precision, configure_backends, optimize_model
-from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.run_log import RunLog
-from multi_train_utils.signals import die_with_launcher, install_stop_handlers
-from multi_train_utils.summary import print_start_summary, report_evaluation
+from multi_train_utils.recorder import EpochDecider, RunRecorder, print_start_summary, report_evaluation
+from multi_train_utils.run_files import load_data, read_inputs, resume_hint
 from multi_train_utils.train_eval_utils import LoopSettings, evaluate, train_one_epoch
 from my_dataset import build_datasets
 

@@ -2,8 +2,8 @@
 
 ``read_split_data`` (class folders) and ``read_label_files`` (CSV label files), which
 my_dataset.build_datasets calls; their machinery (stratified, seeded split, unreadable files,
-symbolic links, checks) is multi_train_utils/data_split.py."""
-from multi_train_utils.data_split import split_class_folders, split_label_files
+symbolic links, checks) is multi_train_utils/datasets.py."""
+from multi_train_utils.datasets import split_class_folders, split_label_files
 from multi_train_utils.images import build_transforms  # noqa: F401 (the tutorial's scripts import it from here)
 
 

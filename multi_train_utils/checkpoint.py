@@ -12,11 +12,12 @@ from typing import Any, Optional
 
 import torch
 
-from multi_train_utils.epoch_position import EpochPosition
 from multi_train_utils.errors import UserError, one_line
-from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, NUMBER_OR_NULL, ROWS, STATE_DICT, TENSOR_OR_NULL, TEXT,
-                                    TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, link_atomic, safe_load,
-                                    save_atomic)
+from multi_train_utils.files import (MAPPING, MAPPING_OR_NULL, NUMBER, NUMBER_OR_NULL, ROWS, STATE_DICT, TENSOR_OR_NULL,
+                                     TEXT, TEXT_LIST, TEXT_OR_NULL, WHOLE_NUMBER, check_fields, link_atomic, safe_load,
+                                     save_atomic)
+from multi_train_utils.loaders import EpochPosition
+
 
 CHECKPOINT = "checkpoint.pth"
 PREVIOUS_CHECKPOINT = "checkpoint-prev.pth"  # the one before, in case the newest is damaged
@@ -91,12 +92,12 @@ class TrainState:
     scaler: Any = None  # torch.amp.GradScaler: fp16's loss scaling (a no-op otherwise)
     ema: Any = None  # ema.ModelEma (--model-ema)
     loss_function: Any = None  # model.create_loss's
-    mixer: Any = None  # mixing.BatchMixer (--mixup-alpha, --cutmix-alpha)
+    mixer: Any = None  # loaders.BatchMixer (--mixup-alpha, --cutmix-alpha)
     epoch: int = 0  # the next epoch to train: the epochs finished so far
     best: BestEpoch = field(default_factory=BestEpoch)
     stop_reason: Optional[str] = None  # why the run ends before --epochs (--patience), or None
     clock: RunClock = field(default_factory=RunClock)
-    position: Any = None  # epoch_position.EpochPosition inside the epoch the run resumes in, or None
+    position: Any = None  # loaders.EpochPosition inside the epoch the run resumes in, or None
 
 
 def build_checkpoint(state, weights, ema_state=None, *, metrics, flags, classes, file_list, world_size, log_dir,

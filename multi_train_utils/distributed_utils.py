@@ -1,5 +1,6 @@
-"""Process-group set-up for torchrun, torch.distributed.launch, SLURM and plain python.
+"""Where this process sits in the job, and the process group for every launcher.
 
+The process group is set up for torchrun, torch.distributed.launch, SLURM and plain python.
 Rank, world size and local rank come from the environment:
 - torchrun / ``python -m torch.distributed.launch`` set RANK, WORLD_SIZE, LOCAL_RANK,
   LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; they win whenever they are present (so
@@ -24,9 +25,29 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from multi_train_utils.errors import RankError, UserError, run_cli
-from multi_train_utils.process import get_world_size, is_dist_avail_and_initialized
-from multi_train_utils.signals import die_with_launcher
+from multi_train_utils.errors import RankError, UserError, die_with_launcher, run_cli
+
+
+# --- Where this process sits in the job: its rank and the world size (0 of 1 without a process group) ---
+
+def is_dist_avail_and_initialized():
+    """True inside an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size():
+    """Number of processes in the job (1 without a process group)."""
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank():
+    """Global rank of this process (0 without a process group)."""
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process():
+    """Only global rank 0 prints, logs and writes files."""
+    return get_rank() == 0
 
 
 @dataclass

@@ -1,21 +1,27 @@
-"""Safe file reading and atomic writing.
+"""Safe file reading and atomic writing; the lock on --output-dir; train.log.
 
 A crash never leaves half a file, and a file that would run code when loaded is refused.
 A user's file is replaced only when asked and an input never; names that are not UTF-8
-print escaped; CSV files open safely in a spreadsheet."""
+print escaped; CSV files open safely in a spreadsheet. One run writes into an --output-dir
+at a time (an OS lock), and train.log keeps what rank 0 printed.
+"""
+import atexit
 import csv
+import datetime
+import errno
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import socket
+import sys
 import tempfile
 
 import torch
 
-from multi_train_utils.errors import UserError, disk_full_error, printable
-from multi_train_utils.signals import hold_stops
+from multi_train_utils.errors import UserError, disk_full_error, hold_stops, printable
 
 
 def _atomic_write(path, write, before_replace=None):
@@ -256,3 +262,236 @@ def safe_load(path, flag, what):
     except Exception as e:  # truncated zip, not a torch file, ...
         raise UserError(f"{flag} {path}: cannot be read as a {what} ({type(e).__name__}); "
                         "it may be truncated or of another format") from None
+
+
+# --- One writer per --output-dir: an OS lock on a file in it, held from the first write to exit ---
+# The kernel drops the lock when the process ends, however it ends, so a crash never leaves a
+# stale lock. It is a POSIX record lock (``fcntl.lockf``): such locks belong to the process
+# that took them, so forked DataLoader workers do not hold it and cannot keep it alive after
+# the run. On shared file systems it is as good as their locking: NFS mounted with ``nolock``
+# or ``local_lock``, Lustre without ``-o flock`` and BeeGFS (by default) keep locks node-local,
+# so two runs on two nodes are not kept apart there.
+
+LOCK_FILE = "run.lock"
+# The file system does not do locks at all (as opposed to: someone else holds it).
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+try:
+    import fcntl
+except ImportError:  # Windows: no POSIX locks
+    fcntl = None
+
+
+class RunLock:
+    """The lock on one output folder (where the file system has locks), held until the
+    process ends."""
+
+    def __init__(self, fd, path, made_folder, made_file, names_before):
+        self.fd = fd
+        self.path = path
+        self.made = (made_folder, made_file)  # what taking the lock created
+        self.names_before = names_before  # the folder's files when the lock was taken
+        atexit.register(self.discard)  # a run stopped by bad input leaves no trace
+
+    def discard(self):
+        """Let the lock go; if the run wrote no new file into the folder, also remove the lock
+        file and the folder, where taking the lock created them."""
+        if self.fd is None:
+            return
+        made_folder, made_file = self.made
+        folder = os.path.dirname(self.path)
+        if made_file and _listing(folder) == sorted(self.names_before + [LOCK_FILE]):
+            _remove_quietly(os.remove, self.path)
+        if made_folder and _listing(folder) == []:
+            _remove_quietly(os.rmdir, folder)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _listing(folder):
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return None
+
+
+def _remove_quietly(remove, path):
+    try:
+        remove(path)
+    except OSError:
+        pass
+
+
+def lock_output_dir(output_dir):
+    """Create ``output_dir`` if needed, check that files can be written there, and take its
+    lock: a UserError if it cannot be written or another run holds it. Returns a RunLock;
+    where the file system has no locks, one that holds none (with a warning), which still
+    removes at exit what taking it created if the run wrote nothing."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output-dir {output_dir}: is a file; give a folder")
+    made_folder = not os.path.exists(output_dir)
+    path = os.path.join(output_dir, LOCK_FILE)
+    for _ in range(3):
+        made_file = not os.path.exists(path)
+        fd = _open_lock_file(output_dir, path)
+        names_before = [name for name in _listing(output_dir) or [] if name != LOCK_FILE]
+        if fcntl is None:
+            _warn_no_locks(path, output_dir, "cannot lock files on this system")
+            return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                _warn_no_locks(path, output_dir, f"this file system does not lock files ({e.strerror})")
+                return RunLock(fd, path, made_folder, made_file, names_before)  # no lock, the same clean-up
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise UserError(f"--output-dir {output_dir}: another run is writing there ({holder}); wait for it "
+                                "to finish, stop it, or choose another --output-dir") from None
+            raise UserError(f"--output-dir {output_dir}: cannot lock {LOCK_FILE} ({e.strerror})") from None
+        if _same_file(fd, path):  # not removed by a run that gave up on bad input meanwhile
+            _write_holder(fd)
+            return RunLock(fd, path, made_folder, made_file, names_before)
+        os.close(fd)
+    raise UserError(f"--output-dir {output_dir}: {LOCK_FILE} keeps being replaced; is another run starting there?")
+
+
+def _warn_no_locks(path, output_dir, why):
+    print(f"warning: {path}: {why}; make sure no other run writes into {output_dir}", file=sys.stderr, flush=True)
+
+
+def _open_lock_file(output_dir, path):
+    """The lock file, opened for writing, after checking that a new file can be made there."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):  # the files of the run will be new files
+            pass
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:
+        raise UserError(f"--output-dir {output_dir}: cannot write there ({e.strerror}); "
+                        "choose a folder you can write to") from None
+
+
+def _same_file(fd, path):
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _write_holder(fd):
+    """Say in the lock file who holds it, for the run that finds it taken."""
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    text = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
+    except OSError:  # a full disk: the lock holds all the same
+        pass
+
+
+def _read_holder(fd):
+    """The holder as its lock file describes it."""
+    try:
+        text = os.pread(fd, 300, 0).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return f"held by {text}" if text else "its lock is held"
+
+
+# --- train.log: a copy of what rank 0 prints, readable after the terminal is gone -------------
+
+def _last_state(line):
+    """A line redrawn with carriage returns (a progress bar): what it showed last."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes to the terminal and, as plain lines, to a log file."""
+
+    def __init__(self, stream, log):
+        self.stream = stream
+        self.log = log
+        self.line = ""
+
+    def write(self, text):
+        length = len(text)
+        text = printable(text)  # a file or class name that is not UTF-8: escaped, never an error
+        try:
+            self.stream.write(text)
+        except UnicodeEncodeError:  # a terminal that cannot show every character (an ASCII locale)
+            encoding = self.stream.encoding or "ascii"
+            self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        *complete, self.line = (self.line + text).split("\n")
+        head, sep, _ = self.line.rstrip("\r").rpartition("\r")
+        if sep:  # keep only the latest redraw of an unfinished line
+            self.line = self.line[len(head) + 1:]
+        if complete:
+            self.log.write("".join(_last_state(line) + "\n" for line in complete))
+        return length
+
+    def finish(self):
+        if _last_state(self.line).strip():
+            self.log.write(_last_state(self.line) + "\n")
+        self.line = ""
+
+    def flush(self):
+        self.stream.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+    def fileno(self):
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return self.stream.encoding
+
+
+class RunLog:
+    """Copies this process's stdout and stderr, as plain lines (progress bars as their final
+    state, no carriage returns): held in memory from the start, then into the file given to
+    ``attach`` once the output folder is known to be usable."""
+
+    def __init__(self):
+        self.file = None
+        self.pending = []
+        self.streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
+
+    def write(self, text):
+        if self.file is None:
+            self.pending.append(text)
+        elif not self.file.closed:
+            try:
+                self.file.write(text)
+                self.file.flush()
+            except OSError as e:  # a full disk: what is printed must still reach the terminal
+                self._stop_copying(e)
+
+    def _stop_copying(self, error):
+        """Close train.log after a failed write, and say so on the terminal, once."""
+        try:
+            self.file.close()
+        except OSError:
+            pass  # the close flushes what did not fit either
+        self.streams[1].write(f"warning: {self.file.name}: cannot write ({error.strerror or error}); "
+                              "no longer copying the output there\n")
+        self.streams[1].flush()
+
+    def attach(self, path, append=False):
+        """Write what was printed so far to ``path`` (appending: a resumed run), then keep copying."""
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
+        self.write("".join(self.pending))
+        self.pending = []
+
+    def close(self):
+        """Stop copying and close the file."""
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee) and tee.log is self:
+                tee.finish()
+        sys.stdout, sys.stderr = self.streams
+        if self.file is not None and not self.file.closed:
+            self.file.close()

@@ -18,6 +18,8 @@ from PIL import Image, ImageOps
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
+
+
 try:  # TorchCodec (torchvision.io's successor): libjpeg-turbo straight into a tensor, EXIF orientation applied
     from torchcodec.decoders import decode_jpeg
 except (ImportError, OSError, RuntimeError):  # not installed, too old, or built for another torch
@@ -292,7 +294,6 @@ def erase_value(mean):
     normalisation that is 0, what torchvision's references erase to (they erase the normalised
     float image). Without a mean (None), black."""
     return [round(255 * m) for m in mean] if mean is not None else 0
-
 
 
 def build_transforms(img_size, auto_augment="none", random_erase=0.0, val_resize_size=None, hflip=0.5,

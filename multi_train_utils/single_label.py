@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from multi_train_utils.balance import class_weights
 from multi_train_utils.distributed_utils import all_reduce_sum
 from multi_train_utils.files import csv_text, write_text_atomic
+from multi_train_utils.loaders import class_weights
 from multi_train_utils.pictures import most_confused_pairs, save_confusion_matrix
-from multi_train_utils.task import MAX_CLASSES_LISTED, WORST_SHOWN, Task, nanmean as _nanmean, ratio
+from multi_train_utils.task import MAX_CLASSES_LISTED, Task, WORST_SHOWN, nanmean as _nanmean, ratio
+
 
 # What --eval-output writes besides the confusion matrix, in evaluation_metrics_csv's order.
 EVALUATION_FILES = ("overall_metrics.csv", "per_class_metrics.csv")

@@ -23,7 +23,7 @@ from PIL import Image
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower  # noqa: E402
+from multi_train_utils.datasets import DEMO_CLASSES, _draw_flower  # noqa: E402
 
 PYTHON = sys.executable
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
@@ -79,7 +79,7 @@ def run_recorder(args, data, state=None, checkpoint=None, task=None, **kwargs):
     decides (the best epoch, --patience) and then writes, and its finish prints the decider's
     clock, as the scripts' epoch loop does. ``kwargs``: RunRecorder's own."""
     from multi_train_utils.checkpoint import TrainState
-    from multi_train_utils.decider import EpochDecider
+    from multi_train_utils.recorder import EpochDecider
     from multi_train_utils.options import config_of
     from multi_train_utils.recorder import RunRecorder
 
@@ -138,7 +138,7 @@ def stop_handlers(monkeypatch, on_exit, ended, *args, **kwargs):
     were not ignored, with os._exit replaced by ``on_exit``; afterwards (once the Event
     ``ended`` is set, or 5 s have passed, so that the watchdog never calls the real os._exit)
     every handler and the wakeup fd are put back."""
-    from multi_train_utils import signals
+    from multi_train_utils import errors as signals
 
     saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
     saved_fd = signal.set_wakeup_fd(-1)

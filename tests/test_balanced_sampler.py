@@ -1,14 +1,14 @@
-"""In-process checks of multi_train_utils/balance.py: the class-balanced sampler, class weights, the imbalance warning."""
+"""In-process checks of multi_train_utils/loaders.py: the class-balanced sampler, class weights, the imbalance warning."""
 import math
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from multi_train_utils.balance import (BalancedDistributedSampler, class_weights, find_imbalance,
+from multi_train_utils.loaders import (BalancedDistributedSampler, class_weights, find_imbalance,
                                        training_labels)
 from multi_train_utils.errors import UserError
-from multi_train_utils.epoch_position import EpochBatchSampler
+from multi_train_utils.loaders import EpochBatchSampler
 from multi_train_utils.loaders import SeededSamples
 
 # 10:1 imbalanced: 200 images of class 0, 20 of class 1, 20 of class 2 (interleaved, as a

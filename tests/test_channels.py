@@ -66,7 +66,7 @@ def test_the_preview_shows_rgb_as_it_is_the_first_three_of_four_bands_and_gray_a
 def test_a_std_of_zero_or_less_is_refused_at_the_start(std, ok):
     from multi_train_utils.datasets import Datasets
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
 
     gray = [(torch.zeros(1, 8, 8, dtype=torch.uint8), 0), (torch.zeros(1, 8, 8, dtype=torch.uint8), 1)]
     data = Datasets(gray, gray, ["a", "b"], channels=1, mean=(0.5,), std=std)

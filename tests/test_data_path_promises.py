@@ -8,7 +8,7 @@ import torch
 
 from conftest import Labelled
 from multi_train_utils.errors import UserError
-from multi_train_utils.example_data import extract_dataset
+from multi_train_utils.datasets import extract_dataset
 from multi_train_utils.loaders import SeededSamples
 from utils import read_label_files
 
@@ -93,7 +93,7 @@ def test_the_download_with_the_recorded_counts_becomes_the_data_folder(tmp_path)
 
 def test_download_does_nothing_when_the_data_folder_is_there(tmp_path, monkeypatch):
     """data.md: "When the folder is there it does nothing": nothing fetched, nothing written beside it."""
-    from multi_train_utils import example_data
+    from multi_train_utils import datasets as example_data
 
     fetched = []  # what a download would do, recorded instead
     for step in ("_fetch", "check_archive", "extract_dataset"):
@@ -110,7 +110,7 @@ def test_download_does_nothing_when_the_data_folder_is_there(tmp_path, monkeypat
 def test_own_dataset_labels_below_0_or_from_the_class_count_on_are_refused(targets, low, high):
     """my_dataset.py's contract (README: "label an int"; data.md: "checked against its contract"):
     labels in range(len(classes)); -1 is refused as 2 is, with one line saying the range."""
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
     from multi_train_utils.datasets import Datasets
 
     good = Labelled([0, 1, 1], readable=True)

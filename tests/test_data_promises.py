@@ -249,7 +249,7 @@ def test_the_end_summary_names_the_best_epoch_its_figure_and_whose_weights(capsy
     weights/model-best.pth (the EMA of the weights (--model-ema), epoch 7)`)". The best epoch (7)
     is neither the first nor the last of 10."""
     from multi_train_utils.checkpoint import BestEpoch, TrainState
-    from multi_train_utils.summary import print_end_summary
+    from multi_train_utils.recorder import print_end_summary
 
     state = TrainState(None, epoch=10, best=BestEpoch(value=0.8125, accuracy=0.8125, epoch=7, source=source))
     args = full_flags(output_dir="weights", best_metric="accuracy", model_ema=True)  # the run had an EMA either way

@@ -34,7 +34,7 @@ def test_data_parallel_replicas_run_in_the_chosen_dtype(monkeypatch):
     (thread-local) is not in force; torch's parallel_apply re-enters autocast there with the
     device's default dtype (fp16 on CUDA). The replica must still run in --amp's bf16."""
     from multi_train_utils.model_setup import plain_state_dict
-    from multi_train_utils.performance import Precision, wrap_data_parallel
+    from multi_train_utils.model_setup import Precision, wrap_data_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(nn, "DataParallel", FakeDataParallel)

@@ -125,7 +125,7 @@ def test_the_training_bar_counts_the_whole_jobs_images_to_its_end(monkeypatch, w
 @pytest.mark.parametrize("val_resize_size, val_side", [(None, 37), (48, 48)])
 def test_large_validation_jpegs_keep_the_resize_size_and_training_ones_twice_the_crop(val_resize_size, val_side):
     from multi_train_utils.datasets import image_file_datasets
-    from multi_train_utils.data_split import DataSplit
+    from multi_train_utils.datasets import DataSplit
 
     split = DataSplit(train_images_path=["a.jpg"], train_images_label=[0], val_images_path=["b.jpg"],
                       val_images_label=[0], classes=["x"], skipped=[], skip_reasons={}, notes=[])

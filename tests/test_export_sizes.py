@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import export
-from multi_train_utils.exported import RUN_KEYS, load_program
+from multi_train_utils.run_files import RUN_KEYS, load_program
 
 RUN = {"model": "tiny", "img_size": 16, "val_resize_size": 18, "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.3, 0.4],
        "classes": ["a", "b", "c"]}

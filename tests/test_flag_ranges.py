@@ -110,7 +110,7 @@ def test_val_resize_size_may_equal_img_size_but_not_go_below(script):
 
 @pytest.mark.parametrize("rate, ok", [(-0.01, False), (0.0, True), (0.999, True), (1.0, False)])
 def test_val_rate_is_at_least_0_and_below_1(rate, ok):
-    from multi_train_utils.data_split import split_by_class
+    from multi_train_utils.datasets import split_by_class
 
     images, labels = [f"{i}.jpg" for i in range(2000)], [i % 2 for i in range(2000)]
     if ok:

@@ -11,15 +11,14 @@ from torchvision.transforms import v2
 
 from conftest import SCRIPTS, parse_flags
 from model import create_lr_scheduler, create_optimizer
-from multi_train_utils.ema import make_model_ema
+from multi_train_utils.model_setup import make_model_ema
 from multi_train_utils.images import build_transforms
 from multi_train_utils.errors import UserError
-from multi_train_utils.mixing import make_batch_mixer
+from multi_train_utils.loaders import make_batch_mixer
 from multi_train_utils.options import config_of, get_args_parser, parse_args
-from multi_train_utils.performance import optimize_model
+from multi_train_utils.model_setup import optimize_model
 from multi_train_utils.train_eval_utils import LoopSettings
 from my_dataset import augment_settings
-
 
 
 @pytest.fixture(params=SCRIPTS.values(), ids=SCRIPTS.keys())
@@ -187,7 +186,7 @@ def test_export_records_the_flags_it_was_given_over_the_runs_files(single_run, t
 
     import export
     from conftest import MODEL
-    from multi_train_utils.exported import load_program
+    from multi_train_utils.run_files import load_program
 
     names = ["A", "B", "C", "D", "E"]
     (tmp_path / "mine.json").write_text(json.dumps({str(i): n for i, n in enumerate(names)}))

@@ -70,7 +70,7 @@ def test_a_loader_worker_dies_with_its_trainer_and_ignores_ctrl_c_and_notices():
     trainer". The loaders' worker_init_fn asks the kernel for SIGKILL when the trainer dies,
     and ignores SIGINT, SIGTERM and SIGUSR1: the trainer answers them, with its workers
     still loading the batches up to its save."""
-    from multi_train_utils import signals
+    from multi_train_utils import errors as signals
     from multi_train_utils.loaders import make_loader
 
     loader = make_loader([0], None, 1, torch.device("cpu"))
@@ -91,7 +91,7 @@ def test_off_linux_a_thread_notices_within_a_second_that_the_launcher_died(monke
     launcher dies, elsewhere a thread notices within a second". Off Linux, die_with_launcher
     starts that thread on the launcher's pid; it looks every second and kills its own process
     (SIGKILL, nothing more written) once the launcher is gone."""
-    from multi_train_utils import signals
+    from multi_train_utils import errors as signals
 
     started, asked = [], []
 
@@ -338,7 +338,7 @@ def test_a_second_stop_signal_is_ignored_and_a_stuck_process_exits_143_after_sig
     import threading
     import time
 
-    from multi_train_utils import signals
+    from multi_train_utils import errors as signals
 
     codes, ended = [], threading.Event()
 

@@ -62,7 +62,7 @@ def test_a_second_run_is_refused_and_a_killed_launcher_leaves_no_worker(tiny_dat
 
 def assert_lock_is_free(folder):
     from multi_train_utils.errors import UserError
-    from multi_train_utils.run_lock import lock_output_dir
+    from multi_train_utils.files import lock_output_dir
 
     try:
         lock = lock_output_dir(folder)
@@ -75,7 +75,7 @@ def assert_lock_is_free(folder):
 def hold_lock_in_child(folder, with_worker=False):
     """Fork a process that takes ``folder``'s lock (and, if asked, forks a loader-like worker
     that outlives it), then sleeps; returns (pid, worker pid or None)."""
-    from multi_train_utils.run_lock import lock_output_dir
+    from multi_train_utils.files import lock_output_dir
 
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -99,7 +99,7 @@ def hold_lock_in_child(folder, with_worker=False):
 
 def test_the_lock_names_its_holder_and_dies_with_it_not_with_its_forked_workers(tmp_path):
     from multi_train_utils.errors import UserError
-    from multi_train_utils.run_lock import lock_output_dir
+    from multi_train_utils.files import lock_output_dir
 
     folder = str(tmp_path / "run")
     holder, worker = hold_lock_in_child(folder, with_worker=True)
@@ -122,7 +122,7 @@ def test_the_lock_names_its_holder_and_dies_with_it_not_with_its_forked_workers(
 def test_the_lock_checks_the_folder_can_be_written_and_bad_input_leaves_no_trace(tmp_path, monkeypatch):
     import tempfile
 
-    from multi_train_utils import run_lock
+    from multi_train_utils import files as run_lock
     from multi_train_utils.errors import UserError
 
     (tmp_path / "file").write_text("")

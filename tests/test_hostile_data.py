@@ -18,9 +18,9 @@ import multi_train_utils.images as images
 from multi_train_utils.errors import MidRunError, UserError, report_error
 from multi_train_utils.files import write_text_atomic
 from multi_train_utils.checkpoint import complete_checkpoint
-from multi_train_utils.inputs import file_list_fingerprint, read_inputs, warn_if_files_changed
+from multi_train_utils.run_files import file_list_fingerprint, read_inputs, warn_if_files_changed
 from multi_train_utils.options import get_args_parser, parse_args
-from multi_train_utils.run_log import RunLog
+from multi_train_utils.files import RunLog
 from my_dataset import build_datasets
 from multi_train_utils.datasets import MyDataSet, image_file_datasets
 from predict import ImageFiles

@@ -116,7 +116,7 @@ def test_a_full_disk_while_saving_keeps_both_checkpoints_and_names_the_file(tmp_
 
 
 def test_train_log_on_a_full_disk_stops_copying_with_one_warning(tmp_path, capsys):
-    from multi_train_utils.run_log import RunLog
+    from multi_train_utils.files import RunLog
 
     log, failure = RunLog(), None
     try:
@@ -210,7 +210,7 @@ def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_befo
     import gc
     import weakref
 
-    from multi_train_utils.signals import Preempted
+    from multi_train_utils.errors import Preempted
 
     class Model:
         pass

@@ -1,8 +1,8 @@
 """The shape of the code, read with ``ast``: imports go one way, without circles.
 
 Entry scripts and the side programs (tools/) -> your files (model.py, my_dataset.py, utils.py) ->
-the engine: the recipe's steps (multi_train_utils/) -> base modules (errors, file writing, the
-image pipeline and files, signals, train.log). The engine never imports your files. A module may
+the engine: the recipe's steps (multi_train_utils/) -> base modules (errors and signals, file
+writing and train.log, the process group, the image pipeline, the datasets and their files). The engine never imports your files. A module may
 import from its own layer or the ones below, never above; no project import hides inside a
 function; every module opens with a one-line docstring; utils.py stays small;
 train_multi_gpu.py is train_single.py plus its DDP steps; no call passes more than 5
@@ -16,8 +16,8 @@ from conftest import REPO
 
 ENTRY_SCRIPTS = {"train_single", "train_multi_gpu", "predict", "export", "benchmark"}
 SHARED = {"model", "my_dataset", "utils"}
-BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.process", "multi_train_utils.files", "multi_train_utils.file_list", "multi_train_utils.images",
-        "multi_train_utils.signals", "multi_train_utils.run_log"}
+BASE = {"multi_train_utils", "multi_train_utils.errors", "multi_train_utils.distributed_utils", "multi_train_utils.files",
+        "multi_train_utils.datasets", "multi_train_utils.images"}
 ENTRY, SHARED_LAYER, STEPS, BASE_LAYER = 3, 2, 1, 0
 
 

@@ -113,7 +113,7 @@ def test_bad_input_is_printed_once_per_node(clean_env, capsys, rank, local_rank,
 def test_a_batch_larger_than_a_ranks_share_is_refused_on_two_nodes_of_one_process(tmp_path, monkeypatch):
     """Two nodes, one process each: 24 training images give each rank 12, whatever the node's
     own count of processes (1): --batch-size 13 is refused with the job's world size."""
-    from multi_train_utils import inputs
+    from multi_train_utils import run_files as inputs
     from multi_train_utils.distributed_utils import DistEnv
     from multi_train_utils.errors import UserError
     from multi_train_utils.options import get_args_parser, parse_args
@@ -140,7 +140,7 @@ def test_a_batch_larger_than_a_ranks_share_is_refused_on_two_nodes_of_one_proces
 def test_the_first_process_of_every_node_makes_the_demo_data(tmp_path, monkeypatch, local_rank, writes):
     """On the second of two nodes (global ranks 2 and 3: nodes need not share a file system),
     local rank 0 writes data/demo and local rank 1 waits for it."""
-    from multi_train_utils import inputs
+    from multi_train_utils import run_files as inputs
     from multi_train_utils.options import get_args_parser, parse_args
 
     class Built(Exception):
@@ -179,7 +179,7 @@ def test_a_process_takes_its_share_of_threads_and_workers_not_the_machines(monke
 def test_without_a_process_group_a_process_is_rank_0_of_1_whatever_the_variables(clean_env):
     """train_single.py started inside a torchrun or srun task (RANK set) is still the one
     process that prints and writes."""
-    from multi_train_utils.process import get_rank, get_world_size, is_main_process
+    from multi_train_utils.distributed_utils import get_rank, get_world_size, is_main_process
 
     for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", SLURM_PROCID="3").items():
         clean_env.setenv(name, value)

@@ -250,7 +250,7 @@ def test_the_benchmark_generates_320_jpegs_of_240_to_500_px_by_default(monkeypat
     """performance.md: `python benchmark.py` trains on "320 generated JPEGs of 240-500 px"; a
     --data-path is used as it is."""
     import benchmark
-    from multi_train_utils.example_data import DEMO_CLASSES
+    from multi_train_utils.datasets import DEMO_CLASSES
 
     made = []
     monkeypatch.setattr(benchmark, "make_demo_dataset", lambda root, **kw: made.append((root, kw)))
@@ -327,7 +327,7 @@ def test_the_start_up_line_prints_the_effective_batch_of_every_process_and_accum
         tmp_path, monkeypatch, capsys):
     """performance.md: `--accum-steps N` ... "the start-up line prints the effective batch";
     multi-gpu.md: the batch size is per process. 5 per process x 3 steps x 2 processes = 30."""
-    from multi_train_utils import summary
+    from multi_train_utils import recorder as summary
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.train_eval_utils import LoopSettings
     from multi_train_utils.datasets import Datasets

@@ -163,7 +163,7 @@ def test_positive_weights_are_negatives_over_positives_capped_at_100():
 
 
 def test_mixup_mixes_the_multi_hot_targets_as_it_mixes_the_images():
-    from multi_train_utils.mixing import make_batch_mixer
+    from multi_train_utils.loaders import make_batch_mixer
 
     mixer = make_batch_mixer(full_flags(multi_label=True, mixup_alpha=0.4, seed=11), num_classes=3, rank=1)
     images = torch.rand(6, 3, 4, 4)
@@ -223,7 +223,7 @@ def lists(tmp_path_factory):
 
 def test_the_lists_read_as_multi_hot_rows_with_the_sorted_union_of_classes(lists):
     from utils import read_label_files
-    from multi_train_utils.file_list import compact_split
+    from multi_train_utils.datasets import compact_split
 
     split = compact_split(read_label_files(lists["train"], lists["val"], multi_label=True))
     assert split.classes == CLASSES
@@ -294,7 +294,7 @@ def test_bad_multi_label_input_is_one_line_and_nothing_is_written(case, lists, t
 
 def test_class_folders_with_multi_label_and_single_label_metrics_are_refused(tmp_path):
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
     from multi_train_utils.datasets import Datasets, MyDataSet
     from multi_train_utils.options import get_args_parser, parse_args
 
@@ -318,7 +318,7 @@ def test_class_folders_with_multi_label_and_single_label_metrics_are_refused(tmp
 
 def test_a_dataset_of_your_own_with_multi_hot_labels_is_checked_at_the_start():
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
     from multi_train_utils.datasets import Datasets
 
     class Own(torch.utils.data.Dataset):
@@ -604,7 +604,7 @@ def test_the_note_on_classes_without_validation_images_counts_every_label_of_a_r
 
 def test_a_negative_multi_hot_value_of_your_own_dataset_is_refused():
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
     from multi_train_utils.datasets import Datasets
 
     class Own(torch.utils.data.Dataset):
@@ -620,7 +620,7 @@ def test_a_negative_multi_hot_value_of_your_own_dataset_is_refused():
 
 def test_class_weights_balanced_of_a_multi_label_run_are_the_capped_positive_weights():
     import numpy as np
-    from multi_train_utils.balance import loss_class_weights
+    from multi_train_utils.loaders import loss_class_weights
 
     class Listed(torch.utils.data.Dataset):
         targets = np.zeros((300, 3), dtype=np.uint8)

@@ -178,7 +178,7 @@ def test_datasets_that_break_the_contract_are_refused_in_one_line():
     import torch
 
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
     from multi_train_utils.datasets import Datasets
 
     class Items(torch.utils.data.Dataset):

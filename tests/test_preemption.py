@@ -251,8 +251,8 @@ def test_requeue_refuses_outside_slurm_or_without_resume_auto(monkeypatch, tmp_p
 def test_the_padded_order_is_what_the_ranks_train(world_size, balanced):
     """Rank r's batches of a whole epoch are positions r, r + W, ... of padded_order, for 11
     images (padding at 2 and 3 ranks)."""
-    from multi_train_utils.balance import BalancedDistributedSampler
-    from multi_train_utils.epoch_position import EpochBatchSampler, padded_order
+    from multi_train_utils.loaders import BalancedDistributedSampler
+    from multi_train_utils.loaders import EpochBatchSampler, padded_order
     from torch.utils.data import DistributedSampler
 
     labels = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4]
@@ -274,7 +274,7 @@ def test_the_rest_of_an_epoch_at_any_world_size_is_each_image_once(to_world):
     steps, resumed by 1 to 5 ranks: every remaining position once, every rank the same number
     of steps, each at least 2 images (3 ranks: a last step of 6, 2 each; 5 ranks: the 9 left
     after a step of 15 are fewer than 2 each, and join it)."""
-    from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
+    from multi_train_utils.loaders import EpochBatchSampler, EpochPosition
     from torch.utils.data import DistributedSampler
 
     data = list(range(37))
@@ -298,7 +298,7 @@ def test_the_rest_of_an_epoch_at_any_world_size_is_each_image_once(to_world):
 
 
 def test_a_rest_of_fewer_than_2_images_a_rank_is_left_out_with_no_step_before():
-    from multi_train_utils.epoch_position import step_bounds
+    from multi_train_utils.loaders import step_bounds
 
     assert step_bounds(30, 36, 3, 4) == []  # 6 images for 4 ranks, a step of 12: no step before to join
     assert step_bounds(30, 36, 3, 3) == [30, 36]  # 2 each
@@ -307,7 +307,7 @@ def test_a_rest_of_fewer_than_2_images_a_rank_is_left_out_with_no_step_before():
 
 def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the_target_was_reached():
     from multi_train_utils.checkpoint import RunClock, TrainState, restore_training_state
-    from multi_train_utils.decider import time_to_target
+    from multi_train_utils.recorder import time_to_target
     from multi_train_utils.run_files import METRICS_HEADER
     from multi_train_utils.single_label import SingleLabel
 
@@ -338,8 +338,8 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
 def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
     """--checkpoint-every 2: due 2 minutes after the last checkpoint (exactly then), again 2
     minutes after a save inside the epoch or an epoch's; never with 0."""
-    from multi_train_utils import mid_epoch
-    from multi_train_utils.epoch_position import EpochPosition
+    from multi_train_utils import train_eval_utils as mid_epoch
+    from multi_train_utils.loaders import EpochPosition
 
     now = [1000.0]
     monkeypatch.setattr(mid_epoch.time, "monotonic", lambda: now[0])
@@ -370,7 +370,7 @@ def test_the_fault_advice_names_the_checkpoint_inside_the_epoch(tmp_path):
     from argparse import Namespace
 
     from multi_train_utils.checkpoint import TrainState
-    from multi_train_utils.epoch_position import EpochPosition
+    from multi_train_utils.loaders import EpochPosition
     from multi_train_utils.recorder import RunRecorder
 
     model = torch.nn.Linear(2, 2)

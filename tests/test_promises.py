@@ -337,7 +337,7 @@ def _datasets(train, val=None, val_rate="0.2"):
 
 
 def _warns(checkpoint_data, data, capsys):
-    from multi_train_utils.inputs import file_list_fingerprint, warn_if_files_changed
+    from multi_train_utils.run_files import file_list_fingerprint, warn_if_files_changed
 
     capsys.readouterr()
     warn_if_files_changed({"file_list": file_list_fingerprint(checkpoint_data)}, "ckpt", data)

@@ -141,7 +141,7 @@ def test_a_fresh_resume_auto_start_replaces_only_the_files_of_an_unfinished_atte
 
 
 def test_an_earlier_runs_checkpoints_are_refused_before_anything_is_downloaded(tmp_path, monkeypatch):
-    from multi_train_utils import inputs
+    from multi_train_utils import run_files as inputs
     from multi_train_utils.errors import UserError
     from my_dataset import build_datasets
 
@@ -187,7 +187,7 @@ def test_processes_that_would_resume_from_different_epochs_all_stop(monkeypatch)
 # --- output folder -----------------------------------------------------------------------------
 
 def test_a_file_system_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
-    from multi_train_utils import run_lock
+    from multi_train_utils import files as run_lock
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -379,7 +379,7 @@ def test_epoch_seconds_is_the_wall_time_of_training_and_validation(name, tiny_da
 def record_epochs(tmp_path, classes, results, extra=(), ema_results=None):
     """A RunRecorder (rank 0) of a tiny model through one epoch per EvalResult of ``results``;
     returns (recorder, the weights of each epoch)."""
-    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.model_setup import ModelEma
     from conftest import run_recorder
     from multi_train_utils.train_eval_utils import TrainStats
 
@@ -570,7 +570,7 @@ def test_auto_augment_randaugment_and_autoaugment_reach_the_transforms(policy, t
 def test_mixup_and_cutmix_together_give_each_batch_one_of_the_two():
     """A MixUp batch is lam x image + (1 - lam) x the image before it, everywhere; in a
     CutMix batch every pixel is one of the two images'. Over 20 steps both kinds occur."""
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.loaders import BatchMixer
 
     g = torch.Generator().manual_seed(3)
     images, labels = torch.randn(8, 3, 16, 16, generator=g), torch.arange(8) % 5
@@ -766,7 +766,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     from multi_train_utils.pictures import save_confusion_matrix
     from multi_train_utils.options import config_of
     from multi_train_utils.run_files import write_run_settings
-    from multi_train_utils.summary import report_evaluation
+    from multi_train_utils.recorder import report_evaluation
     from multi_train_utils.single_label import EvalResult
     from multi_train_utils.datasets import Datasets, MyDataSet
 
@@ -881,7 +881,7 @@ def fake_download(monkeypatch, example_data, archive=b""):
 
 def test_download_checks_the_url_size_and_sha256_that_tensorflow_datasets_records(tmp_path, monkeypatch):
     """TFDS's tf_flowers checksums.tsv: 228813984 bytes, this SHA-256; the README's URL."""
-    from multi_train_utils import example_data
+    from multi_train_utils import datasets as example_data
 
     asked = fake_download(monkeypatch, example_data)
     example_data.download_flower_photos(str(tmp_path / "flower_photos"))
@@ -891,7 +891,7 @@ def test_download_checks_the_url_size_and_sha256_that_tensorflow_datasets_record
 
 
 def test_download_expects_the_readmes_images_per_class(tmp_path, monkeypatch):
-    from multi_train_utils import example_data
+    from multi_train_utils import datasets as example_data
 
     asked = fake_download(monkeypatch, example_data)
     example_data.download_flower_photos(str(tmp_path / "flower_photos"))
@@ -905,7 +905,7 @@ def test_an_interrupted_download_never_looks_like_a_dataset(tmp_path, monkeypatc
     import io
     import tarfile
 
-    from multi_train_utils import example_data
+    from multi_train_utils import datasets as example_data
 
     data, root = tmp_path / "data", tmp_path / "data" / "flower_photos"
 
@@ -946,7 +946,7 @@ def test_weights_default_asks_torchvision_for_the_models_default_weights(monkeyp
     """ResNet-50's DEFAULT is IMAGENET1K_V2 in torchvision, not the first weights it lists."""
     import torchvision
 
-    from multi_train_utils.weights import read_weights
+    from multi_train_utils.model_setup import read_weights
 
     asked = []
 
@@ -1077,8 +1077,8 @@ def test_no_picture_opens_a_window():
 def start_summary(tmp_path, monkeypatch, capsys, flags, model=None, lr=0.001, world_size=1):
     """The lines of print_start_summary for a train_multi_gpu.py run with ``flags``."""
     from multi_train_utils.options import get_args_parser, parse_args
-    from multi_train_utils import summary
-    from multi_train_utils.summary import print_start_summary
+    from multi_train_utils import recorder as summary
+    from multi_train_utils.recorder import print_start_summary
     from multi_train_utils.train_eval_utils import LoopSettings
     from multi_train_utils.datasets import Datasets
 
@@ -1396,7 +1396,7 @@ def test_grad_checkpoint_finds_the_stages_of_efficientnet_convnext_regnet_and_vi
     test_speed.py's test of ResNet, MobileNet and DenseNet. On the meta device where a
     model can be built there: no weights, no forward pass."""
     from model import create_model
-    from multi_train_utils.performance import enable_grad_checkpoint, model_stages
+    from multi_train_utils.model_setup import enable_grad_checkpoint, model_stages
 
     with torch.device("cpu" if name.startswith("regnet") else "meta"):  # RegNet computes its widths on tensors
         model = create_model(name, 5)
@@ -1409,7 +1409,7 @@ def test_grad_checkpoint_finds_the_stages_of_efficientnet_convnext_regnet_and_vi
 
 
 def test_channels_last_is_on_for_convolutional_nets_only():
-    from multi_train_utils.performance import wants_channels_last
+    from multi_train_utils.model_setup import wants_channels_last
 
     conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -1535,7 +1535,7 @@ def test_a_process_stuck_after_a_stop_signal_is_ended_by_the_watchdog(monkeypatc
     import threading
     import time
 
-    from multi_train_utils import signals
+    from multi_train_utils import errors as signals
 
     assert inspect.signature(signals.install_stop_handlers).parameters["grace_seconds"].default == 3.0
     ended, done = [], threading.Event()
@@ -1563,7 +1563,7 @@ def test_spawned_workers_die_with_their_launcher(monkeypatch):
     import ctypes
     import signal
 
-    from multi_train_utils import distributed_utils, signals
+    from multi_train_utils import distributed_utils, errors as signals
 
     calls = []
     monkeypatch.setattr(distributed_utils, "die_with_launcher", lambda: calls.append("die_with_launcher"))
@@ -1643,7 +1643,7 @@ def test_the_ranks_compare_the_epoch_and_position_of_their_checkpoint(monkeypatc
     images done inside the next epoch, -1 for a save at an epoch's end: a rank with no
     checkpoint and one with epoch 0's (one epoch done) disagree, and so do a rank with the end
     of epoch 4 and one with a save inside epoch 5 (its "epoch" is 4 too)."""
-    from multi_train_utils import inputs
+    from multi_train_utils import run_files as inputs
 
     seen = []
     monkeypatch.setattr(inputs, "_prepare", lambda *a, **k: (None, "ckpt", checkpoint))

@@ -40,7 +40,7 @@ def batch(n=8, classes=5, size=16):
 
 
 def test_mixup_targets_sum_to_one_and_match_the_mixing_of_the_images():
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.loaders import BatchMixer
 
     images, labels = batch()
     mixed, targets = BatchMixer(5, mixup_alpha=0.4, seed=1)(images, labels, epoch=2, step=3)
@@ -58,7 +58,7 @@ def test_mixup_targets_sum_to_one_and_match_the_mixing_of_the_images():
 
 
 def test_cutmix_targets_are_the_share_of_each_images_pixels():
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.loaders import BatchMixer
 
     images, labels = batch(size=20)
     mixer = BatchMixer(5, cutmix_alpha=1.0, seed=0)
@@ -75,7 +75,7 @@ def test_cutmix_targets_are_the_share_of_each_images_pixels():
 
 
 def test_mixing_is_seeded_by_seed_epoch_step_and_rank_and_leaves_the_global_generator_alone():
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.loaders import BatchMixer
 
     images, labels = batch()
     mix = BatchMixer(5, mixup_alpha=0.4, cutmix_alpha=1.0, seed=1)
@@ -91,7 +91,7 @@ def test_mixing_is_seeded_by_seed_epoch_step_and_rank_and_leaves_the_global_gene
 
 
 def test_mixing_is_off_unless_asked():
-    from multi_train_utils.mixing import make_batch_mixer
+    from multi_train_utils.loaders import make_batch_mixer
 
     assert make_batch_mixer(recipe_args(), 5) is None
     assert make_batch_mixer(recipe_args(cutmix_alpha=1.0), 5) is not None
@@ -119,7 +119,7 @@ def test_label_smoothing_and_class_weights_follow_their_formulas():
 
 
 def test_balanced_class_weights_come_from_the_training_counts():
-    from multi_train_utils.balance import loss_class_weights
+    from multi_train_utils.loaders import loss_class_weights
     from multi_train_utils.datasets import MyDataSet
 
     train = MyDataSet(["x"] * 8, [0] * 6 + [1] * 2)
@@ -134,8 +134,8 @@ def test_balanced_class_weights_come_from_the_training_counts():
 
 
 def test_the_loop_mixes_each_batch_and_updates_the_ema_after_each_optimizer_step():
-    from multi_train_utils.ema import ModelEma
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.model_setup import ModelEma
+    from multi_train_utils.loaders import BatchMixer
     from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
     class Loader(list):
@@ -174,7 +174,7 @@ def test_the_built_in_datasets_take_the_augmentation_flags(tiny_data):
 # --- EMA -------------------------------------------------------------------------------------
 
 def test_ema_equals_a_hand_computed_average_after_k_steps():
-    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.model_setup import ModelEma
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
@@ -396,7 +396,7 @@ def test_metrics_csv_keeps_its_first_six_columns_and_appends_the_new_ones(tmp_pa
 
 
 def test_start_summary_warns_of_imbalance_and_names_the_two_flags(capsys):
-    from multi_train_utils.summary import print_data_summary
+    from multi_train_utils.recorder import print_data_summary
     from multi_train_utils.datasets import Datasets, MyDataSet
 
     train = MyDataSet(["x"] * 13, [0] * 10 + [1] * 3)  # 10 against 3: more than 3 times
@@ -437,7 +437,7 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
     assert result.returncode == 0, result.stdout + result.stderr
     # the loss, the mixing and the balanced sampler reached the loop; the counts of the training
     # classes are 7 7 7 8 7 (6 of each, plus the other formats, one unreadable)
-    from multi_train_utils.balance import BalancedDistributedSampler
+    from multi_train_utils.loaders import BalancedDistributedSampler
     from utils import read_split_data
 
     ranks = probe_records(f"{straight}.probe", 2)

@@ -10,24 +10,23 @@ import torch
 import torch.nn as nn
 
 import multi_train_utils.model_setup as model_setup
-import multi_train_utils.weights as weights_file
+import multi_train_utils.model_setup as weights_file
 import predict
 from conftest import SCRIPTS, full_flags
 from multi_train_utils.options import config_of  # noqa: E402
 from conftest import parse_flags as parse
-from multi_train_utils import distributed_utils, exported, pictures
+from multi_train_utils import distributed_utils, run_files as exported, pictures
 from multi_train_utils.checkpoint import load_checkpoint
 from multi_train_utils.errors import UserError
-from multi_train_utils.inputs import check_datasets
+from multi_train_utils.run_files import check_datasets
 from multi_train_utils.run_files import read_run_settings
 from multi_train_utils.datasets import Datasets
 from utils import read_label_files
 
 
-
 def load_data(args, build_datasets, **kwargs):
     """inputs.load_data as the scripts call it: the flags' Config, and build_datasets handed the flags."""
-    from multi_train_utils.inputs import load_data as load
+    from multi_train_utils.run_files import load_data as load
 
     return load(config_of(args), lambda: build_datasets(args), **kwargs)
 
@@ -271,7 +270,7 @@ def test_more_processes_than_gpus_share_them_round_robin_under_gloo_only(monkeyp
 
 
 def test_find_classes_lists_the_visible_sub_folders_sorted_first_and_last_included(tmp_path):
-    from multi_train_utils.data_split import find_classes
+    from multi_train_utils.datasets import find_classes
 
     for name in ("zebra", "Ant", "bee", ".cache", "mid dle"):
         (tmp_path / name).mkdir()
@@ -307,7 +306,7 @@ def test_the_doctor_refuses_nccl_without_gpus_and_a_backend_not_built_in(monkeyp
 def test_an_archive_that_is_not_one_folder_of_classes_is_refused_and_leaves_nothing(tmp_path):
     import tarfile
 
-    from multi_train_utils.example_data import extract_dataset
+    from multi_train_utils.datasets import extract_dataset
 
     for name in ("one", "two"):
         (tmp_path / "src" / name / "daisy").mkdir(parents=True)
@@ -347,7 +346,7 @@ def test_the_benchmark_scales_up_to_max_processes_or_the_cores(monkeypatch, max_
 # --- A resume whose states do not fit --------------------------------------------------------------------
 def test_a_checkpoint_whose_optimizer_or_ema_does_not_fit_is_one_line_and_changes_nothing():
     from multi_train_utils.checkpoint import TrainState, restore_training_state
-    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.model_setup import ModelEma
 
     def state_of(net, ema=False):
         return TrainState(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
@@ -426,7 +425,7 @@ def test_eval_only_names_a_data_folder_of_the_run_that_is_gone_and_takes_one_giv
 
 @pytest.mark.parametrize("distributed", SCRIPTS.values(), ids=SCRIPTS.keys())
 def test_a_balancing_flag_on_a_dataset_without_targets_names_the_flag(distributed):
-    from multi_train_utils.balance import loss_class_weights, make_train_sampler
+    from multi_train_utils.loaders import loss_class_weights, make_train_sampler
 
     items = [(torch.zeros(3, 2, 2), 0)] * 3
     line = refusal(make_train_sampler, parse(distributed, "--data-path", "d", "--sampler", "balanced"), items, 1, 0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multi_train_utils.single_label import evaluation_metrics_csv, print_evaluation
-from multi_train_utils.summary import print_data_summary
+from multi_train_utils.recorder import print_data_summary
 from multi_train_utils.single_label import EvalResult
 from multi_train_utils.pictures import most_confused_pairs
 from conftest import full_flags  # noqa: E402
@@ -124,7 +124,7 @@ def test_the_per_class_csv_has_every_class_with_nan_where_there_is_nothing_to_di
     ([10, 3, 3], ("class00", 10, "class01", 3)),
     ([5, 0, 1], ("class00", 5, "class01", 0))])  # a class without images is the smallest
 def test_the_imbalance_warning_names_the_first_of_tied_classes_beyond_three_times(counts, warning):
-    from multi_train_utils.balance import find_imbalance_in_counts
+    from multi_train_utils.loaders import find_imbalance_in_counts
 
     found = find_imbalance_in_counts(counts, names(len(counts)))
     assert (tuple(found) if found else None) == warning
@@ -138,7 +138,7 @@ def test_a_report_without_a_single_confusion_prints_no_empty_pairs_heading(capsy
 
 def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, capsys):
     """--eval-only with several processes: rank 0 reports, the others neither print nor write."""
-    from multi_train_utils import summary
+    from multi_train_utils import recorder as summary
 
     args = full_flags(demo=False, train_list=None, data_path="d", val_path=None, sampler="shuffle",
                               class_weights="none", eval_output=str(tmp_path / "eval"), weights="w.pth")
@@ -156,7 +156,7 @@ def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, cap
                                                             ("shuffle", "balanced", False),
                                                             ("balanced", "balanced", False)])
 def test_the_imbalance_warning_is_left_out_once_either_remedy_is_given(sampler, class_weights, warned):
-    from multi_train_utils.balance import imbalance_warning
+    from multi_train_utils.loaders import imbalance_warning
 
     args = full_flags(sampler=sampler, class_weights=class_weights)
     assert (imbalance_warning(args, [10, 3], ["a", "b"]) is not None) is warned
@@ -229,7 +229,7 @@ def test_most_confused_png_shows_the_20_largest_cells(tmp_path):
 
 
 def test_the_device_is_described_with_its_gpu_name_or_its_threads(monkeypatch):
-    from multi_train_utils.summary import describe_device
+    from multi_train_utils.recorder import describe_device
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"NVIDIA H200 #{torch.device(device).index}")
     assert describe_device(torch.device("cuda", 1)) == "cuda:1 (NVIDIA H200 #1)"

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import read_metrics, full_flags
 from multi_train_utils.checkpoint import TrainState, find_resume_checkpoint, restore_training_state
-from multi_train_utils.ema import ModelEma
+from multi_train_utils.model_setup import ModelEma
 from conftest import run_recorder
 from multi_train_utils.single_label import EvalResult
 from multi_train_utils.train_eval_utils import TrainStats

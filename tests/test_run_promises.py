@@ -37,7 +37,7 @@ EMA_RESULT = ([[4, 0, 0], [3, 1, 0], [0, 0, 2]], 4.2)
 def record_one_epoch(tmp_path, ema=True):
     """A RunRecorder (rank 0) of a tiny model through one epoch: training loss 1.5, last lr 0.01
     (--lr 0.05), 4.0 images/s (while images / seconds is 12 / 2.0 = 6.0)."""
-    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.model_setup import ModelEma
     from conftest import run_recorder
 
     args = run_flags(tmp_path, *(["--model-ema"] if ema else []))
@@ -119,7 +119,7 @@ def test_the_start_summary_says_where_the_outputs_and_this_runs_tensorboard_fold
                                                                                       capsys):
     """outputs.md: at the start rank 0 prints "where the outputs and TensorBoard logs go"; the
     logs go "to a new sub-folder of `--log-dir` per run: `tensorboard --logdir runs`"."""
-    from multi_train_utils import summary
+    from multi_train_utils import recorder as summary
     from multi_train_utils.train_eval_utils import LoopSettings
     from multi_train_utils.datasets import Datasets
 
@@ -139,7 +139,7 @@ def test_cudnns_autotuner_and_tf32_are_on_for_cuda_devices_only():
     """guarantees.md: "On GPUs, cuDNN's autotuner (on for speed) may pick other kernels after a
     restart"; configure_backends turns it (and TF32) on for a CUDA device, and leaves a CPU run's
     settings alone. No GPU is needed: these are flags of torch.backends."""
-    from multi_train_utils.performance import configure_backends
+    from multi_train_utils.model_setup import configure_backends
 
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     # saved and put back by hand: matmul's flags live behind a __getattr__, which pytest 9.2's

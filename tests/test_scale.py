@@ -19,7 +19,7 @@ from conftest import FAST, PROBE, PYTHON, REPO, outcome, probe_records, run, run
 from multi_train_utils.options import config_of  # noqa: E402
 
 from multi_train_utils.errors import UserError
-from multi_train_utils.file_list import PathList
+from multi_train_utils.datasets import PathList
 
 def small_jpeg(path, shade):
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -87,7 +87,7 @@ def test_rank_0_alone_lists_the_files_and_bad_ones_met_mid_epoch_follow_the_rule
 
 
 def test_a_rank_whose_rank_0_failed_to_list_says_so_in_one_line(monkeypatch):
-    import multi_train_utils.file_list as file_list
+    import multi_train_utils.datasets as file_list
 
     monkeypatch.setattr(file_list, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(file_list, "get_world_size", lambda: 2)
@@ -263,7 +263,7 @@ def reference_split(images, labels, classes, val_rate, seed):
 
 
 def test_the_split_of_a_seed_is_the_one_it_always_was():
-    from multi_train_utils.data_split import split_by_class
+    from multi_train_utils.datasets import split_by_class
 
     rng = random.Random(5)
     classes = [f"c{c}" for c in range(11)]
@@ -278,7 +278,7 @@ def test_the_split_of_a_seed_is_the_one_it_always_was():
 
 def test_a_checkpoint_of_another_fingerprint_version_is_compared_by_its_counts(tmp_path, capsys):
     from multi_train_utils.datasets import image_file_datasets
-    from multi_train_utils.inputs import file_list_fingerprint, warn_if_files_changed
+    from multi_train_utils.run_files import file_list_fingerprint, warn_if_files_changed
     from utils import read_split_data
 
     root = many_classes_folder(str(tmp_path / "a"), classes=3)
@@ -340,7 +340,7 @@ class Labelled(torch.utils.data.Dataset):
 def test_the_start_summary_of_1000_classes_names_the_extremes_in_short_lines(capsys):
     from multi_train_utils.datasets import Datasets
     from multi_train_utils.options import get_args_parser, parse_args
-    from multi_train_utils.summary import print_data_summary
+    from multi_train_utils.recorder import print_data_summary
 
     # training images: class c has 20 + c % 7; class 500 has 2, class 7 has 300; 1 val image each
     counts = [2 if c == 500 else 300 if c == 7 else 20 + c % 7 for c in range(1000)]
@@ -464,7 +464,7 @@ def test_data_gone_mid_run_stops_the_rank_that_meets_it_in_one_line(tiny_data, t
 
 def test_the_extremes_of_many_classes_read_right_when_balanced_empty_or_tied():
     from multi_train_utils.pictures import most_confused_pairs
-    from multi_train_utils.summary import describe_many_classes
+    from multi_train_utils.recorder import describe_many_classes
 
     names = [f"c{c}" for c in range(25)]
     assert describe_many_classes(names, [40] * 25)[1] == "imbalance: every class has 40 images"

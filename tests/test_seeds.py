@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from multi_train_utils.balance import BalancedDistributedSampler, make_train_sampler
+from multi_train_utils.loaders import BalancedDistributedSampler, make_train_sampler
 from my_dataset import build_datasets
 from conftest import full_flags  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_the_balanced_draw_reaches_every_image_of_every_class_first_and_last_inc
 def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
     """make_batch_mixer (what both scripts call): the same --seed mixes a batch alike, another
     --seed otherwise; rank and (epoch, step) count too."""
-    from multi_train_utils.mixing import make_batch_mixer
+    from multi_train_utils.loaders import make_batch_mixer
 
     images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
 
@@ -140,7 +140,7 @@ def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
 
 def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
     """Without a rank given, make_batch_mixer takes this process's (rank 1 of a job here)."""
-    from multi_train_utils import mixing
+    from multi_train_utils import images as mixing
 
     images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
     args = full_flags(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
@@ -155,7 +155,7 @@ def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
 @pytest.mark.parametrize("mixup, cutmix, mixes", [(0.2, 0.0, True), (0.0, 1.0, True), (0.2, 1.0, True),
                                                   (0.0, 0.0, False)])
 def test_mixup_or_cutmix_alone_mixes(mixup, cutmix, mixes):
-    from multi_train_utils.mixing import make_batch_mixer
+    from multi_train_utils.loaders import make_batch_mixer
 
     mixer = make_batch_mixer(full_flags(mixup_alpha=mixup, cutmix_alpha=cutmix, seed=0), 4, rank=0)
     assert (mixer is not None) is mixes

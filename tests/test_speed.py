@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader, Dataset
 from conftest import CORES, MODEL, PYTHON, REPO, cpuinfo_lists_bf16, outcome, run, torchcodec_decodes, full_flags
 from model import create_model
 from multi_train_utils.model_setup import plain_state_dict
-from multi_train_utils import images, performance
+from multi_train_utils import images, model_setup as performance
 from multi_train_utils.errors import RankError, UserError
-from multi_train_utils.example_data import DEMO_CLASSES, _draw_flower
+from multi_train_utils.datasets import DEMO_CLASSES, _draw_flower
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, DeviceNormalizer, read_image_uint8
 from multi_train_utils.checkpoint import TrainState
-from multi_train_utils.performance import Precision, choose_precision, enable_grad_checkpoint, optimize_model
+from multi_train_utils.model_setup import Precision, choose_precision, enable_grad_checkpoint, optimize_model
 from multi_train_utils.train_eval_utils import LoopSettings, train_one_epoch
 
 CPU = torch.device("cpu")

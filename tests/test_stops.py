@@ -190,7 +190,7 @@ def test_the_first_step_after_a_resume_counts_steps_of_the_new_batch_size():
     at batch 8: 2 steps of 8 remain of 4, so the epoch goes on at step 2 (not 5); at batch 4, 5."""
     from torch.utils.data import DistributedSampler
 
-    from multi_train_utils.epoch_position import EpochBatchSampler, EpochPosition
+    from multi_train_utils.loaders import EpochBatchSampler, EpochPosition
 
     sampler = DistributedSampler(range(36), num_replicas=1, rank=0, shuffle=True, seed=0)
     position = EpochPosition(epoch=0, done=20, end=36, order_world_size=1, step=5, train_images=36)
@@ -235,7 +235,7 @@ def test_the_gpu_generator_is_saved_and_restored_for_the_gpu_in_use(monkeypatch)
 def test_mixing_a_batch_reseeds_no_gpu_generator(monkeypatch):
     """MixUp and CutMix draw from the CPU generator alone: no GPU generator is reseeded behind
     the user's back (torch.manual_seed would reseed them all at every step)."""
-    from multi_train_utils.mixing import BatchMixer
+    from multi_train_utils.loaders import BatchMixer
 
     reseeded = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
@@ -284,7 +284,7 @@ def test_eval_only_evaluates_at_the_runs_precision_unless_amp_is_given(tmp_path)
 def test_a_stop_during_eval_only_says_to_run_it_again_not_to_resume(tmp_path):
     """SIGTERM during --eval-only: there is no checkpoint to continue from, so the line says
     to run the command again."""
-    from multi_train_utils.inputs import resume_hint
+    from multi_train_utils.run_files import resume_hint
 
     args = parse_flags(False, "--output-dir", str(tmp_path))
     assert "--resume auto" in resume_hint(args)
@@ -294,7 +294,7 @@ def test_a_stop_during_eval_only_says_to_run_it_again_not_to_resume(tmp_path):
 
 def test_a_utf16_list_file_is_refused_in_one_line_without_nul_bytes(tmp_path):
     """A list saved as UTF-16 (a spreadsheet's "Unicode text"): one line that says so, no raw NUL bytes."""
-    from multi_train_utils.data_split import _read_label_file
+    from multi_train_utils.datasets import _read_label_file
     from multi_train_utils.errors import UserError
 
     path = tmp_path / "train.csv"
@@ -309,7 +309,7 @@ def test_a_utf16_list_file_is_refused_in_one_line_without_nul_bytes(tmp_path):
 def test_a_run_without_ema_says_when_it_reached_the_target():
     """A crossing: --target-accuracy in a run without --model-ema, whose EMA cells are all
     empty: the first epoch whose val accuracy reached the target is named, with its run clock."""
-    from multi_train_utils.decider import time_to_target
+    from multi_train_utils.recorder import time_to_target
     from multi_train_utils.run_files import METRICS_HEADER
     from multi_train_utils.single_label import SingleLabel
 

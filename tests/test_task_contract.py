@@ -166,7 +166,7 @@ def test_the_imbalance_warning_names_the_remedy_of_the_task(capsys):
     import numpy as np
 
     from multi_train_utils.options import make_task
-    from multi_train_utils.summary import print_data_summary
+    from multi_train_utils.recorder import print_data_summary
 
     class Rows(torch.utils.data.Dataset):
         def __init__(self, targets):
@@ -206,7 +206,7 @@ def test_a_best_of_zero_is_a_best_not_nothing_yet():
 def test_older_run_files_are_read_as_the_task_they_were(tmp_path):
     """An args.json or a .pt2 written before "task" was: "multi_label": true reads as the
     multi-label task (sigmoids at thresholds), else single-label."""
-    from multi_train_utils.exported import load_program, run_json
+    from multi_train_utils.run_files import load_program, run_json
     from multi_train_utils.files import write_bytes_atomic
     from multi_train_utils.run_files import task_of_run
 

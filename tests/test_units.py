@@ -53,7 +53,7 @@ def epoch_images(train_set, seed, epochs, workers):
     """{(epoch, index): image} through the scripts' real sampler and loader chain."""
     from torch.utils.data import DistributedSampler
 
-    from multi_train_utils.epoch_position import EpochBatchSampler
+    from multi_train_utils.loaders import EpochBatchSampler
     from multi_train_utils.loaders import make_loader
 
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, seed=seed)

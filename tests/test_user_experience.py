@@ -15,7 +15,7 @@ from PIL import Image
 import predict
 from conftest import CLASSES, MODEL, PYTHON, REPO, outcome, read_metrics, run, script, write_class_folder
 from multi_train_utils.errors import UserError
-from multi_train_utils.example_data import download_flower_photos
+from multi_train_utils.datasets import download_flower_photos
 from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.pictures import plot_class_distribution, save_figure
 

@@ -36,7 +36,7 @@ def test_hflip_sets_the_chance_of_a_flip_and_zero_leaves_it_out():
 
 def recorder_at(tmp_path, *flags):
     from multi_train_utils.checkpoint import TrainState
-    from multi_train_utils.ema import ModelEma
+    from multi_train_utils.model_setup import ModelEma
     from conftest import run_recorder
 
     out = tmp_path / "run"
@@ -80,7 +80,7 @@ def test_the_best_epochs_weights_are_kept_once_and_the_emas_in_a_file_of_their_o
 
 def test_the_end_summary_says_what_the_runs_folder_holds_each_file_once(tmp_path, capsys):
     from multi_train_utils.checkpoint import BestEpoch, TrainState
-    from multi_train_utils.summary import print_end_summary
+    from multi_train_utils.recorder import print_end_summary
 
     out = tmp_path / "run"
     (out / "sub").mkdir(parents=True)
@@ -97,9 +97,9 @@ def test_the_end_summary_says_what_the_runs_folder_holds_each_file_once(tmp_path
 def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resumes(tmp_path, capsys):
     from multi_train_utils.checkpoint import TrainState, complete_checkpoint
     from multi_train_utils.datasets import Datasets
-    from multi_train_utils.performance import Precision
+    from multi_train_utils.model_setup import Precision
     from conftest import run_recorder
-    from multi_train_utils.summary import print_start_summary
+    from multi_train_utils.recorder import print_start_summary
     from multi_train_utils.train_eval_utils import LoopSettings
     from model import create_lr_scheduler
 

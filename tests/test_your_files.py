@@ -83,7 +83,7 @@ def test_a_checkpoint_elsewhere_is_never_taken_for_one_here(tmp_path):
 def test_bad_input_leaves_the_empty_output_folder_you_made(tmp_path):
     """The lock's clean-up removes only what taking the lock created: a folder the run made, yes;
     an empty one you made for it, no."""
-    from multi_train_utils.run_lock import lock_output_dir
+    from multi_train_utils.files import lock_output_dir
 
     yours = tmp_path / "yours"
     yours.mkdir()

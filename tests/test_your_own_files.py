@@ -259,7 +259,7 @@ def test_four_channel_images_go_the_whole_way_through_our_files(four):
 def test_a_wrong_channel_count_is_one_line_naming_both_numbers():
     from multi_train_utils.datasets import Datasets
     from multi_train_utils.errors import UserError
-    from multi_train_utils.inputs import check_datasets
+    from multi_train_utils.run_files import check_datasets
 
     gray = [(torch.zeros(1, 8, 8, dtype=torch.uint8), 0), (torch.zeros(1, 8, 8, dtype=torch.uint8), 1)]
     with pytest.raises(UserError) as caught:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from multi_train_utils.distributed_utils import (cleanup, cores_per_process, count_sharing, cpu_affinity,
                                                  cpu_cores_available, read_dist_env, select_device,
                                                  start_local_processes)
-from multi_train_utils.errors import UserError, one_line, run_cli
+from multi_train_utils.errors import UserError, die_with_launcher, one_line, run_cli
 from multi_train_utils.options import HelpFormatter, OneLineErrorParser
-from multi_train_utils.signals import die_with_launcher
+
 
 SHM_MIN = 1 << 30  # below 1 GiB, loader workers die with "Bus error" (Docker's default is 64 MB)
 DISK_MIN = 5 * 10**9  # checkpoints of a large model take gigabytes

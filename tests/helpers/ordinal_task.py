@@ -12,7 +12,7 @@ import os
 import torch
 from torch import nn
 
-from multi_train_utils.balance import class_weights
+from multi_train_utils.loaders import class_weights
 from multi_train_utils.distributed_utils import all_reduce_sum
 from multi_train_utils.files import csv_text, write_text_atomic
 from multi_train_utils.task import Task

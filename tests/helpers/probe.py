@@ -127,7 +127,7 @@ real_build_datasets = target.build_datasets
 
 def build_datasets(args):
     """build_datasets, with what it listed and returned recorded (PROBE_FILE_LISTS)."""
-    import multi_train_utils.data_split as data_split
+    import multi_train_utils.datasets as data_split
 
     real_scan, listed = data_split._scan_class_folders, []
 
@@ -171,7 +171,7 @@ def train_one_epoch(state, data_loader, device, epoch, *args, **kwargs):
     if os.environ.get("PROBE_RAISE_RANK") == str(rank) and not os.environ.get("PROBE_RAISE_STEP"):
         raise RuntimeError(f"probe: rank {rank} fails")
     if os.environ.get("PROBE_HANG_RANK") == str(rank):
-        from multi_train_utils.signals import notice_received
+        from multi_train_utils.errors import notice_received
 
         while notice_received() is None:  # hangs until a signal (torchrun's SIGTERM once another rank failed)
             time.sleep(0.1)

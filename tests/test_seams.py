@@ -1,0 +1,120 @@
+"""The engine's seams besides the task (docs/layout.md): the one config of frozen sections, the
+step hook that train_one_epoch calls after each step, and the epoch's end split between the
+EpochDecider, which decides, and the RunRecorder, which writes. In one process."""
+import dataclasses
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from conftest import SCRIPTS, full_flags, parse_flags
+from multi_train_utils import train_eval_utils
+from multi_train_utils.checkpoint import BestEpoch, TrainState
+from multi_train_utils.loaders import EpochBatchSampler
+from multi_train_utils.options import SECTIONS, config_of, get_args_parser
+from multi_train_utils.single_label import EvalResult
+from multi_train_utils.train_eval_utils import LoopSettings, StepHook, train_one_epoch
+
+# The --help group of each flag of the "common" group, as docs/flags.md lists them by topic.
+COMMON = {"data_path": "data", "demo": "data", "model": "recipe", "weights": "recipe", "epochs": "recipe",
+          "batch_size": "recipe", "lr": "recipe", "device": "speed", "output_dir": "run", "resume": "run",
+          "eval_only": "run"}
+
+
+@pytest.mark.parametrize("distributed", SCRIPTS.values(), ids=SCRIPTS.keys())
+def test_every_flag_is_in_the_config_section_of_its_help_group_once_and_frozen(distributed, tmp_path):
+    args = parse_flags(distributed, "--data-path", "d", "--model", "resnet18", "--lr", "0.03", "--patience", "4",
+                       "--accum-steps", "2", "--output-dir", str(tmp_path / "out"))
+    config = config_of(args)
+    expected = dict(COMMON)
+    for group in get_args_parser(distributed)._action_groups:
+        title = group.title.split(":")[0]
+        section = "distributed" if title in ("distributed", "multi-GPU") else title
+        if section in SECTIONS:
+            expected.update({action.dest: section for action in group._group_actions})
+    found = {}
+    for section in SECTIONS:
+        for field in dataclasses.fields(getattr(config, section)):
+            assert field.name not in found, (field.name, found.get(field.name), section)
+            found[field.name] = section
+            assert getattr(getattr(config, section), field.name) == getattr(args, field.name), field.name
+    assert set(found) == set(vars(args))  # every setting, the other script's included
+    assert {name: found[name] for name in expected} == expected
+    assert (config.recipe.lr, config.run.patience, config.speed.accum_steps) == (0.03, 4, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.recipe.lr = 1.0
+    assert config.flags["data_path"] == os.path.abspath("d") and config.flags["lr"] == 0.03
+    args.lr = 9.0  # the config was taken once: a later change of the flags does not reach it
+    assert config.recipe.lr == 0.03 and config.flags["lr"] == 0.03
+
+
+class Recording(StepHook):
+    """A hook of one's own: what train_one_epoch tells it, step by step."""
+
+    def __init__(self):
+        self.calls, self.asked = [], 0
+
+    def wishes(self):
+        self.asked += 1
+        return [0.0, 0.0]
+
+    def start_epoch(self):
+        self.calls.append("start")
+
+    def after_step(self, step, agreed, *, group_end, last_step, loss_sum, position):
+        where = position()
+        self.calls.append((step, agreed is not None, group_end, last_step, where.step, where.done,
+                           float(loss_sum) > 0))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_step_hook_of_ones_own_is_told_every_step_and_the_wishes_agreed_where_the_loss_is_read(monkeypatch,
+                                                                                                  world_size):
+    """7 steps of 2 images, --accum-steps 2, --print-freq 3: the hook starts once, then after
+    each step learns its accumulation group's last step (1, 1, 3, 3, 5, 5, 6), the epoch's last
+    (6) and where the epoch stands (steps done, images done); the wishes come back agreed at
+    every step of a single process, and of two only where the loss is read (steps 2, 5, 6)."""
+    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: world_size)
+    generator = torch.Generator().manual_seed(3)
+    images = [(torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=generator), i % 2) for i in range(14)]
+    batches = EpochBatchSampler(DistributedSampler(images, num_replicas=1, rank=0, shuffle=False), 2)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))
+    hook = Recording()
+    by_epoch_and_index = {(0, i): item for i, item in enumerate(images)}  # what EpochBatchSampler asks for
+    train_one_epoch(TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                    DataLoader(by_epoch_and_index, batch_sampler=batches), torch.device("cpu"), 0,
+                    LoopSettings(accum_steps=2, print_freq=3), hook=hook)
+    read = {2, 5, 6}
+    assert hook.calls == ["start"] + [(step, world_size == 1 or step in read, [1, 1, 3, 3, 5, 5, 6][step], 6,
+                                       step + 1, 2 * (step + 1), True) for step in range(7)]
+    assert hook.asked == 7  # once a step: no collective of its own
+
+
+def test_the_decider_decides_and_writes_nothing_and_the_recorder_writes_and_decides_nothing(tmp_path):
+    from multi_train_utils.recorder import EpochDecider, RunRecorder
+
+    args = full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"), plots=False, keep_last=0,
+                      patience=1, best_metric="accuracy", epochs=5)
+    config = config_of(args)
+    state = TrainState(None)
+    decider = EpochDecider(state, None, config.run)
+    better, worse = EvalResult(torch.tensor([[3, 1], [0, 4]])), EvalResult(torch.tensor([[2, 2], [1, 3]]))
+    assert decider.end_epoch(0, worse, better) == "ema"  # the EMA scored better this epoch
+    assert (state.best.epoch, state.best.source, state.best.value, state.epoch) == (0, "ema", 0.875, 1)
+    assert decider.end_epoch(1, worse, worse) == "model"  # a tie is the model's
+    assert state.stop_reason.startswith("stopped early after epoch 1: no better val accuracy for 1 epochs")
+    assert not os.path.exists(tmp_path / "out")  # deciding wrote nothing
+
+    model = nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       best=BestEpoch(value=0.5, accuracy=0.5, epoch=3, source="model"))
+    recorder = RunRecorder(config, full_flags(classes=["a", "b"]), state, enabled=True, world_size=1)
+    recorder.end_epoch(4, train_eval_utils.TrainStats(1.0, 8, 1.0, 0.1, 8.0), better, worse, source="ema")
+    recorder.close()
+    assert (state.best.epoch, state.best.value, state.stop_reason) == (3, 0.5, None)  # as the decider left them
+    row = open(tmp_path / "out" / "metrics.csv").read().splitlines()[-1].split(",")
+    header = open(tmp_path / "out" / "metrics.csv").read().splitlines()[0].split(",")
+    assert dict(zip(header, row))["best_source"] == "ema" and dict(zip(header, row))["val_accuracy"] == "0.875000"
+    assert not os.path.exists(tmp_path / "out" / "model-best.pth")  # epoch 4 is not the best the state holds
