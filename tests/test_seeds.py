@@ -140,7 +140,7 @@ def test_mixup_and_cutmix_follow_the_seed_of_the_flags():
 
 def test_each_rank_mixes_with_its_own_draw_by_default(monkeypatch):
     """Without a rank given, make_batch_mixer takes this process's (rank 1 of a job here)."""
-    from multi_train_utils import images as mixing
+    from multi_train_utils import loaders as mixing
 
     images, labels = torch.rand(8, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 4
     args = full_flags(mixup_alpha=0.2, cutmix_alpha=1.0, seed=3)
