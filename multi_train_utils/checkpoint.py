@@ -39,8 +39,7 @@ EARLIER_CHECKPOINTS = {"best_accuracy": -1.0, "best_epoch": -1, "best_source": "
                        "stopped_early": None, "file_list": None, "world_size": None, "best_report": None,
                        "position": None, "run_seconds": 0.0}
 SAME_ON_RESUME = {"model": None, "freeze_layers": False, "opt": "sgd", "norm_bias_decay": True, "model_ema": False,
-                  "best_metric": "accuracy", "multi_label": False,
-                  "task": None}
+                  "best_metric": "accuracy", "task": "single-label"}
 
 
 @dataclass

@@ -410,7 +410,9 @@ def _check_resume_and_weights(config, data, resume_path, checkpoint, main=True):
     """Step 3 of read_inputs: the checkpoint fits the data and the flags; --weights read (not when resuming)."""
     recipe = config.recipe
     if checkpoint is not None:
-        check_resume_compatible(checkpoint, resume_path, config.flags, data.classes, recipe.epochs)
+        # the task by its name, also of a checkpoint from before "task" was saved
+        saved = {**checkpoint, "args": {**checkpoint["args"], "task": task_of_run(checkpoint["args"])}}
+        check_resume_compatible(saved, resume_path, config.flags, data.classes, recipe.epochs)
         if main:
             warn_if_files_changed(checkpoint, resume_path, data)
     return read_weights(recipe.weights, recipe.model, progress=main) if recipe.weights and not checkpoint else None

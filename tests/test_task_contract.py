@@ -225,6 +225,31 @@ def test_older_run_files_are_read_as_the_task_they_were(tmp_path):
     assert task_of_run(read) == "multi-label" and read["thresholds"] == [0.3, 0.7]
 
 
+def test_a_resume_with_another_task_is_refused_older_checkpoints_included():
+    """guarantees.md: "A checkpoint of ... another task ... is refused": a checkpoint of a multi-label run
+    from before "task" was saved ("multi_label": true) is refused to a single-label run, and
+    a run of a task of yours to --multi-label, each naming the task it was trained with; the
+    same task resumes."""
+    from multi_train_utils.checkpoint import complete_checkpoint
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.run_files import _check_resume_and_weights
+
+    data = full_flags(classes=["a", "b"])
+    single, multi = (config_of(full_flags(task=task, multi_label=task == "multi-label", epochs=3))
+                     for task in ("single-label", "multi-label"))
+    flags = {key: single.flags[key] for key in ("model", "freeze_layers", "opt", "norm_bias_decay", "model_ema",
+                                                "best_metric")}
+    older = complete_checkpoint({"epoch": 0, "model": {}, "classes": ["a", "b"],
+                                 "args": {**flags, "multi_label": True}})  # no "task": before tasks
+    with pytest.raises(UserError, match="trained with --task multi-label, this run has --task single-label"):
+        _check_resume_and_weights(single, data, "ckpt", older)
+    assert _check_resume_and_weights(multi, data, "ckpt", older) is None  # the same task goes on
+    own = complete_checkpoint({"epoch": 0, "model": {}, "classes": ["a", "b"],
+                               "args": {**flags, "task": "grades.py:Ordinal", "multi_label": False}})
+    with pytest.raises(UserError, match="trained with --task grades.py:Ordinal, this run has --task multi-label"):
+        _check_resume_and_weights(multi, data, "ckpt", own)
+
+
 def test_a_probability_at_its_threshold_is_predicted():
     """predict.py: "the classes at or above their thresholds, most probable first"."""
     from multi_train_utils.options import make_task
