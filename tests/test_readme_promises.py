@@ -230,6 +230,12 @@ def test_args_json_holds_every_flag_with_absolute_data_paths(tmp_path, monkeypat
         assert saved["weights"] == "" and saved["resume"] is None and saved["epochs"] == 30
         with open(tmp_path / "class_indices.json") as f:
             assert json.load(f) == {"0": "a", "1": "b"}
+    # label files too (round 16: --val-list was left relative)
+    args = parse_args(get_args_parser(False), ["--model", "resnet18", "--train-list", "lists/train.csv",
+                                               "--val-list", "lists/val.csv"])
+    saved = config_of(args).flags
+    assert (saved["train_list"], saved["val_list"]) == (os.path.join(here, "lists/train.csv"),
+                                                        os.path.join(here, "lists/val.csv"))
 
 
 # --- SLURM -------------------------------------------------------------------------------------

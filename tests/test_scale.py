@@ -431,6 +431,9 @@ def test_the_epoch_line_reports_top5_and_the_images_left_out():
     five = EvalResult(made_up_confusion()[:5, :5], loss_sum=1.0)
     assert epoch_line(0, TrainStats(0.5, 100, 1.0, 0.01, 50.0), five) == (
         "[epoch 0] train_loss: 0.5000  val_accuracy: 0.8400 (42/50)  lr: 0.01  50.0 img/s")  # no top-5 with 5
+    one = EvalResult(made_up_confusion()[:5, :5], loss_sum=1.0, left_out=1)  # round 16: the first one is said too
+    assert "val_accuracy: 0.8400 (42/50, 1 unreadable left out)  lr" in epoch_line(0, TrainStats(0.5, 100, 1.0, 0.01,
+                                                                                                 50.0), one)
 
 
 def test_data_gone_mid_run_stops_the_rank_that_meets_it_in_one_line(tiny_data, tmp_path):

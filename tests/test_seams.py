@@ -118,3 +118,114 @@ def test_the_decider_decides_and_writes_nothing_and_the_recorder_writes_and_deci
     header = open(tmp_path / "out" / "metrics.csv").read().splitlines()[0].split(",")
     assert dict(zip(header, row))["best_source"] == "ema" and dict(zip(header, row))["val_accuracy"] == "0.875000"
     assert not os.path.exists(tmp_path / "out" / "model-best.pth")  # epoch 4 is not the best the state holds
+
+
+# --- Round 16's survivors, each with its test ------------------------------------------------
+
+def test_an_epoch_that_improves_is_the_best_before_patience_is_judged():
+    """layout.md: "EpochDecider decides ... the best epoch ..., whether --patience ran out":
+    with --patience 1, an epoch better than the one before is the new best and does not stop
+    the run; the next epoch that brings nothing better does."""
+    from multi_train_utils.recorder import EpochDecider
+
+    state = TrainState(None)
+    decider = EpochDecider(state, None, config_of(full_flags(patience=1, best_metric="accuracy")).run)
+    low, high = EvalResult(torch.tensor([[2, 2], [2, 2]])), EvalResult(torch.tensor([[4, 0], [1, 3]]))
+    decider.end_epoch(0, low)
+    decider.end_epoch(1, high)
+    assert (state.best.epoch, state.stop_reason) == (1, None)
+    decider.end_epoch(2, low)
+    assert state.stop_reason.startswith("stopped early after epoch 2: no better val accuracy for 1 epochs")
+
+
+def test_the_epochs_checkpoint_restarts_the_clock_of_checkpoint_every(monkeypatch, tmp_path):
+    """guarantees.md: checkpoint.pth inside the epoch "once MINUTES have passed since the last
+    checkpoint": an epoch's checkpoint is one, on every rank (rank 1 here, which writes nothing)."""
+    from conftest import run_recorder
+
+    now = [1000.0]
+    monkeypatch.setattr(train_eval_utils.time, "monotonic", lambda: now[0])
+    recorder = run_recorder(full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"),
+                                       checkpoint_every=1.0, epochs=3, best_metric="accuracy"),
+                            full_flags(classes=["a", "b"]),
+                            enabled=False)
+    now[0] += 61.0
+    assert recorder.checkpoints.wishes() == [1.0, 0.0]  # a minute since the start: due
+    recorder.end_epoch(0, train_eval_utils.TrainStats(1.0, 8, 1.0, 0.1, 8.0), EvalResult(torch.eye(2, dtype=torch.int64)))
+    assert recorder.checkpoints.wishes() == [0.0, 0.0]  # the epoch's checkpoint: the clock starts again
+    now[0] += 60.0
+    assert recorder.checkpoints.wishes() == [1.0, 0.0]
+
+
+def test_a_notice_after_the_last_epoch_neither_stops_nor_requeues(monkeypatch):
+    """guarantees.md: a notice is answered after the epoch's checkpoint unless the run ends
+    there ("a run that ends is not requeued"): ``after_epoch_save`` with notices off (the last
+    epoch, or --patience ran out) returns; with notices on it stops."""
+    from multi_train_utils.errors import Preempted
+
+    monkeypatch.setattr(train_eval_utils, "notice_received", lambda: 15)
+    requeued = []
+    monkeypatch.setattr(train_eval_utils, "requeue_job", lambda: requeued.append(1) or "requeued")
+    checkpoints = train_eval_utils.MidEpochCheckpoints(0, lambda position: None, hint="resume", requeue=True)
+    try:  # Preempted is a BaseException, as a stop is: caught here to be asserted on
+        checkpoints.after_epoch_save(None, None, notices=False)
+        stopped = False
+    except Preempted:
+        stopped = True
+    assert not stopped and requeued == []
+    with pytest.raises(Preempted):
+        checkpoints.after_epoch_save(None, None, notices=True)
+    assert requeued == [1]
+
+
+def test_a_save_inside_the_epoch_keeps_every_ranks_generators_in_rank_order(monkeypatch):
+    """guarantees.md: the checkpoint inside the epoch "holds ... each rank's running loss sum
+    and random-generator states": with two ranks, both, rank 0's first."""
+    from multi_train_utils.loaders import EpochPosition
+
+    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train_eval_utils, "rng_state", lambda: {"rank": 0})
+    monkeypatch.setattr(train_eval_utils.dist, "all_gather_object",
+                        lambda parts, obj: parts.__setitem__(slice(None), [obj, {"rank": 1}]))
+    monkeypatch.setattr(train_eval_utils, "all_gather_rows", lambda rows: torch.cat([rows, rows + 1]))
+    monkeypatch.setattr(train_eval_utils, "all_reduce_sum", lambda tensor: tensor)
+    written = []
+    checkpoints = train_eval_utils.MidEpochCheckpoints(1.0, written.append)
+    position = EpochPosition(epoch=0, done=8, end=36, order_world_size=2, step=2, train_images=36)
+    assert checkpoints.save(position, torch.tensor(2.5), notice=False)
+    assert written == [position]
+    assert position.rng == [{"rank": 0}, {"rank": 1}] and position.loss_sums == [2.5, 3.5]
+
+
+def test_tensorboard_gets_a_figure_of_zero():
+    """outputs.md: TensorBoard logs accuracy, balanced_accuracy, macro_f1, val_loss: a model
+    that is always wrong logs them as 0, not leaves them out."""
+    from multi_train_utils.single_label import SingleLabel
+
+    wrong = EvalResult(torch.tensor([[0, 2], [3, 0]]), loss_sum=5.0)
+    scalars = SingleLabel().scalars(wrong)
+    assert {k: scalars.get(k) for k in ("accuracy", "balanced_accuracy", "macro_f1")} == {
+        "accuracy": 0.0, "balanced_accuracy": 0.0, "macro_f1": 0.0}
+    assert scalars["val_loss"] == pytest.approx(1.0)
+
+
+def test_model_best_holds_the_emas_weights_when_the_ema_scored_better(tmp_path):
+    """outputs.md: "model-best.pth holds the weights of the best epoch ..., of the model or of
+    its EMA, whichever was better": the EMA's, in a file of its own, when it was."""
+    from conftest import run_recorder
+    from multi_train_utils.model_setup import ModelEma
+
+    model = nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), ema=ModelEma(model, 0.5))
+    with torch.no_grad():
+        state.ema.module.weight.fill_(7.0)  # told apart from the model's
+    recorder = run_recorder(full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"), plots=False,
+                                       keep_last=0, model_ema=True, best_metric="accuracy"),
+                            full_flags(classes=["a", "b"]), state,
+                            enabled=True, world_size=1)
+    recorder.end_epoch(0, train_eval_utils.TrainStats(1.0, 8, 1.0, 0.1, 8.0), EvalResult(torch.tensor([[1, 1], [1, 1]])),
+                       EvalResult(torch.tensor([[2, 0], [0, 2]])))
+    recorder.close()
+    best = torch.load(tmp_path / "out" / "model-best.pth", weights_only=True)
+    assert state.best.source == "ema" and torch.equal(best["weight"], torch.full((2, 2), 7.0))
+    assert not torch.equal(best["weight"], model.weight.detach())

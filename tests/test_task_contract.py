@@ -124,6 +124,7 @@ def test_the_emas_cells_and_epoch_line_are_the_emas():
     assert cells["val_accuracy"] == "0.500000"
     cells = make_task("multi-label").cells(model, ema)
     assert (cells["ema_val_accuracy"], cells["ema_val_map"]) == ("0.750000", "0.780000")
+    assert (cells["ema_val_macro_f1"], cells["val_macro_f1"]) == ("0.800000", "0.550000")  # round 16
     stats = TrainStats(0.5, 100, 1.0, 0.01, 50.0)
     assert "ema_val_map: 0.7800" in epoch_line(0, stats, model, ema, make_task("multi-label"))
     assert "ema_val_accuracy: 0.7500" in epoch_line(0, stats, model, ema, own)
