@@ -21,6 +21,10 @@ import pytest
 from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A suite started in the background by a shell without job control (``cmd &``) inherits SIGINT
+# ignored, and so would every run it starts: the tests of Ctrl-C need it as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, REPO)
 
 from multi_train_utils.datasets import DEMO_CLASSES, _draw_flower  # noqa: E402
