@@ -100,8 +100,8 @@ def main(argv=None):
     # 3. SyncBatchNorm: batch statistics over all GPUs (--sync-bn; for small per-GPU batches).
     if use_sync_bn(args.sync_bn, device, env.distributed, compiled=args.compile, verbose=is_main):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=args.model,
-                                            data_parallel=args.data_parallel)  # channels_last, --compile, ...
+    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=config.recipe.model,
+                                          data_parallel=config.distributed.data_parallel)  # channels_last, --compile
     settings = LoopSettings.from_config(config, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:

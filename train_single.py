@@ -65,8 +65,8 @@ def main(argv=None):
                         freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
-    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=args.model,
-                                            data_parallel=args.data_parallel)  # channels_last, --compile, ...
+    model, channels_last = optimize_model(model, config.speed, device, precision, model_name=config.recipe.model,
+                                          data_parallel=config.distributed.data_parallel)  # channels_last, --compile
     settings = LoopSettings.from_config(config, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:
