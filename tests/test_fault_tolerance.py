@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TORCHRUN, free_port, kill_tree, pids_of_tree, probe_records, read_metrics, run,
-                      script, subprocess_env, train_args)
+from conftest import (PYTHON, REPO, TORCHRUN, dump_stacks_then_kill_tree, free_port, kill_tree, pids_of_tree,
+                      probe_records, read_metrics, run, script, subprocess_env, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 EPOCHS = ["--epochs", "4"]
@@ -41,12 +41,17 @@ def wait_for(path, proc, timeout=120):
         time.sleep(0.05)
 
 
-def wait_for_checkpoint(output_dir, epoch, proc, timeout=120):
-    """Wait until checkpoint.pth of ``epoch`` can be read."""
+def wait_for_checkpoint(output_dir, epoch, proc, timeout=240):
+    """Wait until checkpoint.pth of ``epoch`` can be read; a job that hangs instead prints its
+    processes' stacks into the failure."""
     deadline = time.monotonic() + timeout
     while True:
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint"
+        if time.monotonic() > deadline:
+            dump_stacks_then_kill_tree(proc.pid)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"no checkpoint of epoch {epoch} after {timeout} s; the job's output and stacks:\n"
+                                 f"{stdout[-4000:]}\n{stderr[-8000:]}")
         try:
             if torch.load(output_dir / "checkpoint.pth", weights_only=True)["epoch"] >= epoch:
                 return

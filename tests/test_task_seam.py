@@ -1,17 +1,19 @@
 """The task seam holds: a third task, written as a user would in one file outside the engine
 (tests/helpers/ordinal_task.py: ordered classes scored by their mean absolute error), runs
-through torchrun, train_single.py (resuming it), --eval-only, predict.py and export.py with no
-engine edit; and a --task that cannot be had is one line.
+through torchrun, train_single.py (resuming it inside an epoch), --eval-only, predict.py and
+export.py with no engine edit; and a --task that cannot be had is one line.
 
-Four launches: torchrun (2 processes, gloo) trains epoch 0, train_single.py resumes it for
-epoch 1, then --eval-only, predict.py on the .pth, export.py and predict.py on the .pt2."""
+Four launches: torchrun (2 processes, gloo) trains epoch 0 and is preempted inside epoch 1,
+train_single.py resumes there and ends epoch 1, then --eval-only, predict.py on the .pth,
+export.py and predict.py on the .pt2."""
 import csv
 import os
 import re
 
 import pytest
+import torch
 
-from conftest import FAST, PYTHON, REPO, TORCHRUN, free_port, read_metrics, run, script
+from conftest import FAST, PROBE, PYTHON, REPO, TORCHRUN, free_port, read_metrics, run, script
 
 TASK = os.path.join(REPO, "tests", "helpers", "ordinal_task.py") + ":Ordinal"
 
@@ -22,10 +24,16 @@ def ordinal_run(tiny_data, tmp_path_factory):
     flags = ["--data-path", tiny_data["train"], "--val-path", tiny_data["val"], "--check-images", *FAST,
              "--output-dir", str(out), "--log-dir", str(out) + "-tb", "--workers", "0", "--task", TASK,
              "--amp", "off"]  # fp32 on every CPU kind: predict.py's fp32 argmax is then --eval-only's
-    ddp = run([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), script("train_multi_gpu.py"),
-               *flags, "--epochs", "1"])
-    assert ddp.returncode == 0, ddp.stdout + ddp.stderr
-    single = run([PYTHON, script("train_single.py"), *flags, "--epochs", "2", "--resume", "auto"])
+    # torchrun trains epoch 0 and is preempted inside epoch 1 (SIGTERM to torchrun as its step 1
+    # begins: saved at that step's end); train_single.py resumes there and decides the best epoch
+    # with the task's lower-is-better metric across the stop.
+    inside = ["--epochs", "2", "--checkpoint-every", "0.00001", "--print-freq", "1"]
+    ddp = run([*TORCHRUN, "--nproc_per_node=2", "--max-restarts=0", "--master_port", str(free_port()), PROBE, "multi",
+               *flags, *inside], env={"PROBE_STOP": "SIGTERM:step-1-1:launcher"})
+    assert ddp.returncode != 0 and "on a preemption notice" in ddp.stderr, ddp.stdout + ddp.stderr
+    stopped = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert (stopped["epoch"], stopped["position"]["epoch"], stopped["position"]["step"]) == (0, 1, 2)
+    single = run([PYTHON, script("train_single.py"), *flags, *inside, "--resume", "auto"])
     assert single.returncode == 0, single.stdout + single.stderr
     return {"out": out, "ddp": ddp, "single": single, "val": tiny_data["val"]}
 
