@@ -727,3 +727,24 @@ def test_every_weights_file_of_a_run_is_predicted_at_the_runs_thresholds(straigh
         trained = load_trained_model(Namespace(weights=str(out / name), model=None, img_size=None, class_indices=None),
                                      create_model, make_task)
         assert trained.task.name == "multi-label" and trained.task.thresholds == pytest.approx(thresholds), name
+
+
+def test_a_report_of_many_classes_lists_the_lowest_ap_first_and_those_without_positives_last(capsys):
+    """multi_label.listed_classes: beyond MAX_CLASSES_LISTED (20) classes, a report lists the
+    WORST_SHOWN (10) "of lowest AP (classes without positives last)": 21 classes of which 8 have
+    positives give those 8 from the lowest AP (equal APs in index order), then the first 2
+    classes without positives."""
+    from multi_train_utils.multi_label import listed_classes, print_class_lines
+
+    classes = [f"class{c}" for c in range(21)]
+    ap = [math.nan] * 21
+    for c, value in {20: 0.9, 3: 0.2, 7: 0.5, 12: 0.2, 1: 0.7, 15: 0.1, 9: 0.95, 18: 0.4}.items():
+        ap[c] = value
+    report = {"ap": ap, "precision": [0.5] * 21, "recall": [0.5] * 21, "f1": [0.5] * 21,
+              "thresholds": [0.5] * 21, "support": [1 if a == a else 0 for a in ap]}
+    assert listed_classes(report, classes) == [15, 3, 12, 18, 7, 1, 20, 9, 0, 2]
+    print_class_lines(report, classes)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("the 10 classes of lowest AP (of 21;")
+    assert [line.split()[0] for line in lines[1:]] == [f"class{c}" for c in (15, 3, 12, 18, 7, 1, 20, 9, 0, 2)]
+    assert listed_classes(report, classes[:20]) == list(range(20))  # 20 classes: every one

@@ -229,3 +229,110 @@ def test_model_best_holds_the_emas_weights_when_the_ema_scored_better(tmp_path):
     best = torch.load(tmp_path / "out" / "model-best.pth", weights_only=True)
     assert state.best.source == "ema" and torch.equal(best["weight"], torch.full((2, 2), 7.0))
     assert not torch.equal(best["weight"], model.weight.detach())
+
+
+# --- Round 17's sweep: survivors, each with its test ------------------------------------------
+
+def tiny_epoch(hook, state=None, accum_steps=2, print_freq=3):
+    """One epoch of 7 steps of 2 images (as the hook test above) through ``hook``; the state."""
+    generator = torch.Generator().manual_seed(3)
+    images = [(torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=generator), i % 2) for i in range(14)]
+    batches = EpochBatchSampler(DistributedSampler(images, num_replicas=1, rank=0, shuffle=False), 2)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 2))
+    state = state or TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state.model, state.optimizer = model, torch.optim.SGD(model.parameters(), lr=0.1)
+    by_epoch_and_index = {(0, i): item for i, item in enumerate(images)}
+    train_one_epoch(state, DataLoader(by_epoch_and_index, batch_sampler=batches), torch.device("cpu"), 0,
+                    LoopSettings(accum_steps=accum_steps, print_freq=print_freq), hook=hook)
+    return state
+
+
+def test_saves_inside_the_epoch_come_at_group_ends_and_never_at_its_last_step(monkeypatch):
+    """train_eval_utils.SavePlan: a save inside the epoch comes "at the end of the accumulation
+    group in which every rank decided to (never the epoch's last step: its end saves anyway)":
+    with a save due at every step, 7 steps and --accum-steps 2 save after steps 1, 3 and 5
+    (positions of 2, 4 and 6 steps done), not after step 6, the last."""
+    now = [0.0]
+
+    def monotonic():  # 100 s pass at each look at the clock: a save is always due
+        now[0] += 100.0
+        return now[0]
+
+    monkeypatch.setattr(train_eval_utils.time, "monotonic", monotonic)
+    written = []
+    tiny_epoch(train_eval_utils.MidEpochCheckpoints(1.0, written.append))
+    assert [(p.step, p.done, p.end) for p in written] == [(2, 4, 14), (4, 8, 14), (6, 12, 14)]
+
+
+def test_the_position_a_hook_is_given_holds_the_runs_and_the_epochs_seconds_apart():
+    """layout.md: after_step gets ``position()``, "where the epoch stands": its run_seconds are
+    the run's clock (here 1000 s from the sessions before), its epoch_seconds this epoch's."""
+    from multi_train_utils.checkpoint import RunClock
+
+    class Positions(StepHook):
+        def __init__(self):
+            self.seen = []
+
+        def after_step(self, step, agreed, *, group_end, last_step, loss_sum, position):
+            self.seen.append(position())
+
+    hook = Positions()
+    tiny_epoch(hook, TrainState(None, clock=RunClock(earlier=1000.0)))
+    assert len(hook.seen) == 7
+    assert all(1000.0 <= p.run_seconds < 1060.0 and 0.0 <= p.epoch_seconds < 60.0 for p in hook.seen), \
+        [(p.run_seconds, p.epoch_seconds) for p in hook.seen]
+
+
+def test_a_resumed_epoch_gives_each_rank_its_own_saved_loss_sum_and_generators(monkeypatch):
+    """train_eval_utils.start_epoch: "The saved loss sums go back to their ranks at the
+    checkpoint's world size", and resume_epoch puts "this rank's generators back as they were":
+    rank 1 of 2 resuming inside epoch 0 takes loss sum 5.0 (rank 0's is 1.0) and its own
+    generator states."""
+    import random
+
+    from multi_train_utils.checkpoint import rng_state
+    from multi_train_utils.loaders import EpochPosition
+
+    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: 2)
+    monkeypatch.setattr(train_eval_utils, "get_rank", lambda: 1)
+    saved_torch, saved_python = torch.get_rng_state(), random.getstate()
+    try:
+        generators = []
+        for seed in (10, 11):  # rank 0's, rank 1's
+            torch.manual_seed(seed)
+            random.seed(seed)
+            generators.append(rng_state())
+        torch.manual_seed(11)
+        random.seed(11)
+        expected = (torch.rand(3), random.random())  # what rank 1 draws next
+        torch.manual_seed(99)
+        random.seed(99)
+        images = list(range(14))
+        batches = EpochBatchSampler(DistributedSampler(images, num_replicas=2, rank=1, shuffle=False), 2,
+                                    world_size=2, rank=1)
+        state = TrainState(None, position=EpochPosition(epoch=0, done=8, end=12, order_world_size=2, step=2,
+                                                        train_images=14, loss_sums=[1.0, 5.0], loss_count=4,
+                                                        rng=generators))
+        loader = DataLoader({(0, i): i for i in images}, batch_sampler=batches)
+        first_step, loss_sum, _, _ = train_eval_utils.start_epoch(state, loader, 0, LoopSettings(),
+                                                                  torch.device("cpu"))
+        drawn = (torch.rand(3), random.random())
+    finally:
+        torch.set_rng_state(saved_torch)
+        random.setstate(saved_python)
+    assert (first_step, float(loss_sum)) == (2, 5.0)
+    assert torch.equal(drawn[0], expected[0]) and drawn[1] == expected[1]
+
+
+def test_eval_only_keeps_the_defaults_of_settings_an_older_args_json_lacks(tmp_path):
+    """options.take_run_settings: --eval-only takes the run's settings "unless given"; an
+    args.json of an earlier version that lacks some of them (seed, val_rate, amp,
+    val_resize_size, task) leaves those at their defaults, not empty."""
+    from conftest import parse_flags
+    from multi_train_utils.run_files import ARGS_FILE
+
+    (tmp_path / ARGS_FILE).write_text('{"model": "resnet18", "img_size": 32, "data_path": "%s"}' % tmp_path)
+    args = parse_flags(False, "--eval-only", "--weights", str(tmp_path / "model-best.pth"))
+    assert (args.model, args.img_size, args.data_path) == ("resnet18", 32, str(tmp_path))
+    assert (args.seed, args.val_rate, args.amp, args.val_resize_size, args.task, args.multi_label) == \
+        (0, 0.2, "auto", None, "single-label", False)

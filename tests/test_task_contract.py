@@ -322,3 +322,39 @@ def test_thresholds_json_says_whether_they_were_tuned(tmp_path):
         make_task("multi-label", tune_thresholds=tune).write_best_files(str(tmp_path), ["a", "b"], best)
         written = json.loads((tmp_path / "thresholds.json").read_text())
         assert written == {"classes": {"a": 0.5, "b": 0.5}, "tuned": tune, "epoch": 3}
+
+
+# --- Round 17's sweep: survivors, each with its test -------------------------------------------
+
+@pytest.mark.parametrize("kind", ["single-label", "multi-label"])
+def test_a_short_last_batch_whose_first_image_is_unreadable_leaves_it_out_once(kind):
+    """task.py: in ``add``, weight 0 is "a padded row" and a label below 0 "an image that could
+    not be read, counted in ``left_out``": evaluate pads a short last batch with copies of its
+    first image (pad_batch), so an unreadable first image is copied into the padding; it is
+    left out once, not once a copy."""
+    from multi_train_utils.options import make_task
+    from multi_train_utils.train_eval_utils import pad_batch
+
+    classes = 7
+    tally = make_task(kind).evaluation(classes, torch.device("cpu"))
+    logits = torch.randn(2, classes, generator=torch.Generator().manual_seed(0))
+    if kind == "single-label":
+        labels = torch.tensor([-1, 3])
+    else:  # LEFT_OUT: every target -1
+        labels = torch.tensor([[-1.0] * classes, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    tally.add(*pad_batch(logits, labels, 4))  # the 2 images, then 2 copies of the unreadable one
+    result = tally.result()
+    assert (result.left_out, result.total) == (1, 1)
+
+
+def test_a_task_of_your_own_is_named_by_its_task_value_which_args_json_and_the_pt2_carry():
+    """layout.md: "args.json keeps --task, so --eval-only, predict.py and export.py (its .pt2
+    carries the name) take it from the run": the task's name is the --task value itself (the
+    path and class), which makes the same task again; the built-in ones are named as --task
+    names them."""
+    from multi_train_utils.options import make_task
+
+    own = make_task(TASK_FILE + ":Ordinal")
+    assert own.name == TASK_FILE + ":Ordinal"
+    assert type(make_task(own.name)) is type(own)
+    assert (make_task("single-label").name, make_task("multi-label").name) == ("single-label", "multi-label")
