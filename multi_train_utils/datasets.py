@@ -543,6 +543,9 @@ def _read_label_file(path, flag, several_labels=False):
                     continue  # a blank line
                 where = f"{flag} {path}, line {reader.line_num}"
                 names = _label_names(row[1], header[1], several_labels, where) if len(row) == 2 else None
+                if names == () and row[0].strip() and header[1] == "labels" and not several_labels:
+                    raise UserError(f"{where}: no label ({','.join(row)!r}): an image of no class needs --multi-label "
+                                    "(the header says labels)")
                 if names is None or not row[0].strip() or not (names or several_labels):
                     raise UserError(f"{where}: expected {header_text}; found {','.join(row)!r}")
                 image = os.path.normpath(os.path.join(folder, row[0].strip()))

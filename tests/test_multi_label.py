@@ -292,6 +292,24 @@ def test_bad_multi_label_input_is_one_line_and_nothing_is_written(case, lists, t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_row_of_no_class_under_the_labels_header_without_multi_label_names_the_flag(tmp_path):
+    """A list whose header says ``labels``, read without --multi-label, with an empty label cell:
+    one line naming the file, the line, the row and --multi-label (a row of no class is a
+    multi-label row); under the header ``label`` the same row is the plain path,label error."""
+    from multi_train_utils.errors import UserError
+    from utils import read_label_files
+
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "b.png").write_bytes(b"")
+    for header, expected in (("labels", "line 3: no label ('b.png,'): an image of no class needs --multi-label"),
+                             ("label", "line 3: expected path,label; found 'b.png,'")):
+        listed = tmp_path / f"{header}.csv"
+        listed.write_text(f"path,{header}\na.png,cat\nb.png,\n")
+        with pytest.raises(UserError) as refused:
+            read_label_files(str(listed), None, 0.2, 0)
+        assert f"{listed}, {expected}" in str(refused.value)
+
+
 def test_class_folders_with_multi_label_and_single_label_metrics_are_refused(tmp_path):
     from multi_train_utils.errors import UserError
     from multi_train_utils.run_files import check_datasets
