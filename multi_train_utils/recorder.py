@@ -6,6 +6,7 @@ weights, metrics.csv, args.json, TensorBoard, pictures. Then what rank 0 prints:
 summary, the epoch line, the end summary and --eval-only's report.
 """
 import contextlib
+import math
 import os
 import time
 import weakref
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from multi_train_utils.checkpoint import (CHECKPOINT, TrainState, build_checkpoint, complete_checkpoint, resumes_in,
                                           save_checkpoint, set_aside_damaged_checkpoint)
-from multi_train_utils.datasets import DEMO_MARKER
+from multi_train_utils.datasets import DEMO_MARKER, images_info
 from multi_train_utils.distributed_utils import (current_job, get_world_size, is_dist_avail_and_initialized,
                                                  is_main_process)
 from multi_train_utils.errors import MidRunError, arm_notices, loader_failure, one_line, printable, resource_error
@@ -443,7 +444,7 @@ def print_start_summary(config, data, state, settings, device, workers=0, log_di
     print(f"batch: {recipe.batch_size} per process x {plural(speed.accum_steps, 'accumulation step')} x "
           f"{plural(world_size, 'process', 'processes')} = "
           f"{recipe.batch_size * speed.accum_steps * world_size} per optimizer step; {plural(workers, 'loader worker')} "
-          f"per process; {describe_decoders(data)}")
+          f"per process; {describe_decoders(data)}" + images_left_out(len(data.train), recipe.batch_size, world_size))
     scaled = f" ({recipe.lr:g} x {world_size} processes)" if lr != recipe.lr else ""
     warmup = f"{recipe.warmup_epochs} warm-up epochs, then " if recipe.warmup_epochs else ""
     schedule = (f"x {recipe.lr_gamma:g} every {recipe.lr_step_size} epochs" if recipe.lr_scheduler == "step" else
@@ -455,6 +456,17 @@ def print_start_summary(config, data, state, settings, device, workers=0, log_di
     for line in resumed:
         print(line)
     print(RULE, flush=True)
+
+
+def images_left_out(train_images, batch_size, world_size):
+    """"; N of M training images an epoch (...)" where each process's last partial batch
+    leaves images out (each process takes ceil(M / world size) of the shuffled order, in whole
+    batches: loaders.EpochBatchSampler); "" where none are."""
+    trained = math.ceil(train_images / world_size) // batch_size * batch_size * world_size
+    if trained >= train_images:
+        return ""
+    return (f"; {trained} of {train_images} training images an epoch (each process's last partial batch is left "
+            "out, other images each epoch)")
 
 
 SAMPLED_FILES = 10_000  # the image files whose names describe_decoders reads (evenly spread)
@@ -482,7 +494,8 @@ def describe_recipe(config):
     recipe, run = config.recipe, config.run
     decay = "" if recipe.norm_bias_decay else ", none on norm and bias"
     parts = [f"{recipe.opt} (weight decay {recipe.weight_decay:g}{decay})"]
-    augment = ["crop+flip"] + ([recipe.auto_augment] if recipe.auto_augment != "none" else [])
+    augment = ["crop"] + ([f"flip {recipe.hflip:g}"] if recipe.hflip else [])
+    augment += [recipe.auto_augment] if recipe.auto_augment != "none" else []
     augment += [f"erase {recipe.random_erase:g}"] if recipe.random_erase else []
     augment += [f"mixup {recipe.mixup_alpha:g}"] if recipe.mixup_alpha else []
     augment += [f"cutmix {recipe.cutmix_alpha:g}"] if recipe.cutmix_alpha else []
@@ -563,10 +576,19 @@ def print_data_summary(config, data, task=None):
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
+    print(describe_images(*images_info(data)))
     remedy = (task or SingleLabel()).balance_flags
     warning = imbalance_warning(config.recipe, train, data.classes, remedy) if train is not None else None
     if warning:
         print(f"warning: {warning}", flush=True)
+
+
+def describe_images(channels, mean, std):
+    """The line on what the model is given: the images' channels and what normalises them."""
+    if mean is None:
+        return f"images: {plural(channels, 'channel')}, pixel values in [0, 1], not normalised"
+    return (f"images: {plural(channels, 'channel')}, normalised by mean ({', '.join(f'{m:.3g}' for m in mean)}) "
+            f"and std ({', '.join(f'{v:.3g}' for v in std)})")
 
 
 def describe_many_classes(classes, counts, shown=3):

@@ -129,6 +129,44 @@ def test_a_resumed_run_prints_the_schedule_as_the_first_did_then_where_it_resume
         "\n".join(lines)
 
 
+@pytest.mark.parametrize("world_size, trained", [(1, 60), (2, 48)])
+def test_the_start_summary_says_the_augmentations_on_the_images_channels_and_normalising_and_what_an_epoch_leaves_out(
+        world_size, trained, tmp_path, capsys, monkeypatch):
+    """Issue 44's new user: --hflip 0 printed "crop+flip"; nothing said the channels, the mean and
+    std, or that each process's last partial batch is left out. 70 training images at batch 12:
+    floor(70 / 12) x 12 = 60 at world size 1; each of 2 processes 35, floor(35 / 12) x 12 x 2 = 48.
+    64 images at batch 16 are whole batches at both."""
+    from multi_train_utils import recorder
+    from multi_train_utils.checkpoint import TrainState
+    from multi_train_utils.datasets import Datasets
+    from multi_train_utils.model_setup import Precision
+    from multi_train_utils.recorder import print_start_summary
+    from multi_train_utils.train_eval_utils import LoopSettings
+
+    monkeypatch.setattr(recorder, "get_world_size", lambda: world_size)
+    model = torch.nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    gray = Datasets([(torch.zeros(1, 2, 2), 0)] * 70, [(torch.zeros(1, 2, 2), 1)] * 2, ["a", "b"], channels=1,
+                    mean=(0.5,), std=(0.25,))
+    whole = Datasets([(torch.zeros(3, 2, 2), 0)] * 64, [(torch.zeros(3, 2, 2), 1)] * 2, ["a", "b"], mean=None, std=None)
+    printed = {}
+    for name, data, flags in (("no flip", gray, ["--hflip", "0", "--batch-size", "12"]),
+                              ("default", whole, ["--batch-size", "16"])):
+        args = parse_flags(False, "--output-dir", str(tmp_path / "run"), *flags)
+        print_start_summary(config_of(args), data, state, LoopSettings(Precision("off", "cpu")),
+                            device=torch.device("cpu"))
+        printed[name] = capsys.readouterr().out.splitlines()
+    recipe = {name: next(line for line in lines if line.startswith("recipe: ")) for name, lines in printed.items()}
+    assert "; augment crop; " in recipe["no flip"] and "flip" not in recipe["no flip"]
+    assert "; augment crop + flip 0.5; " in recipe["default"]
+    assert "images: 1 channel, normalised by mean (0.5) and std (0.25)" in printed["no flip"]
+    assert "images: 3 channels, pixel values in [0, 1], not normalised" in printed["default"]
+    batch = {name: next(line for line in lines if line.startswith("batch: ")) for name, lines in printed.items()}
+    assert batch["no flip"].endswith(f"; {trained} of 70 training images an epoch (each process's last partial "
+                                     "batch is left out, other images each epoch)")
+    assert "training images an epoch" not in batch["default"]  # 64 images in whole batches at 1 and 2 processes
+
+
 def test_an_earlier_versions_checkpoint_loads_and_what_is_no_longer_read_is_left_out(tmp_path):
     from multi_train_utils.checkpoint import BestEpoch, load_checkpoint
 
