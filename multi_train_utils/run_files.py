@@ -135,13 +135,18 @@ def earlier_run_files(output_dir):
     return found + [os.path.join(output_dir, f) for f in RUN_FILES if os.path.isfile(os.path.join(output_dir, f))]
 
 
-def check_output_dir(output_dir, overwrite, resume_path=None):
+def check_output_dir(output_dir, overwrite, resume_path=None, demo=False):
     """Refuse to start over an earlier run's checkpoints, unless --overwrite is given or this
-    run resumes from the checkpoint in that very folder."""
+    run resumes from the checkpoint in that very folder. ``demo``: this run is --demo, which
+    says so where the earlier run was one too (its data is made once, its run is not)."""
     resuming_here = resumes_in(resume_path, output_dir)
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
     if earlier and not overwrite and not resuming_here:
         names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
+        if demo and (read_run_args(output_dir, "or choose another --output-dir") or {}).get("demo"):
+            raise UserError(f"--output-dir {output_dir}: holds the run of an earlier --demo ({names}); the demo's data "
+                            "is made once, and its run is kept: add --overwrite to train the demo again in its place, "
+                            "or choose another --output-dir to keep both")
         raise UserError(
             f"--output-dir {output_dir}: holds checkpoints of an earlier run ({names}); "
             "pass --resume auto to continue it, --overwrite to replace it, or choose another --output-dir"
@@ -401,7 +406,7 @@ def _prepare(config, local_rank=0, world_size=1, main=True):
     lock = lock_output_dir(run.output_dir) if main and not run.eval_only else None  # released at exit
     resume_path, checkpoint = find_resume_checkpoint(run.resume, run.output_dir, main)
     if not run.eval_only:  # before --download or --demo fetch or write anything
-        check_output_dir(run.output_dir, run.overwrite, resume_path)
+        check_output_dir(run.output_dir, run.overwrite, resume_path, demo=config.data.demo)
     prepare_data(config.data, local_rank, world_size)
     return lock, resume_path, checkpoint
 

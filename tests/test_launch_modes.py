@@ -220,6 +220,18 @@ def check_the_readme_commands_after_the_demo(tmp_path, data):
         assert result.returncode == 0, command + "\n" + result.stdout + result.stderr
     assert set(os.listdir(project)) <= {"data", "runs", "weights"}  # only into git-ignored folders
     assert (tmp_path / "off" / "model-best.pt2").is_file()
+    # The README's "a second `--demo`": it stops before anything is made or written, saying what to do.
+    def files():  # (but run.lock, which every run into the folder takes first)
+        return {p.name: p.stat().st_mtime_ns for p in (tmp_path / "off").iterdir() if p.name != "run.lock"}
+
+    before = files()
+    again = run([PYTHON, script("train_single.py"), "--demo"], cwd=str(project))
+    line = again.stderr.strip()
+    assert again.returncode == 2 and "\n" not in line, again.stderr
+    assert line.startswith("error: --output-dir weights: holds the run of an earlier --demo (") and line.endswith(
+        "); the demo's data is made once, and its run is kept: add --overwrite to train the demo again in its place, "
+        "or choose another --output-dir to keep both"), line
+    assert files() == before
     (predicted,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pt2")]
     (eager,) = [r.stdout for c, r in results if c.startswith("python predict.py --weights weights/model-best.pth")]
     assert predicted.split()[:2] == eager.split()[:2] and predicted.startswith("data/demo/roses/roses_0001.jpg: ")

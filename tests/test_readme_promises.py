@@ -59,6 +59,30 @@ def test_resume_from_a_checkpoint_elsewhere_checks_the_output_dir_as_a_new_run(t
     check_output_dir(str(out), True, resume_path=str(tmp_path / "other" / "checkpoint.pth"))  # --overwrite
 
 
+def test_a_second_demo_says_its_run_is_kept_and_how_to_train_it_again(tmp_path):
+    """README: "A second `--demo` ..." stops, saying the demo's run is kept and --overwrite trains
+    it again; over a run that was not a demo, --demo gets the plain refusal."""
+    import json
+
+    from multi_train_utils.errors import UserError
+    from multi_train_utils.run_files import check_output_dir
+
+    out = tmp_path / "weights"
+    touch(out, "model-best.pth")
+    refusals = {}
+    for was_demo in (True, False):
+        (out / "args.json").write_text(json.dumps({"model": "resnet18", "demo": was_demo}))
+        with pytest.raises(UserError) as error:
+            check_output_dir(str(out), False, demo=True)
+        refusals[was_demo] = str(error.value)
+    assert refusals[True] == (f"--output-dir {out}: holds the run of an earlier --demo (model-best.pth); the demo's "
+                              "data is made once, and its run is kept: add --overwrite to train the demo again in "
+                              "its place, or choose another --output-dir to keep both")
+    assert refusals[False].startswith(f"--output-dir {out}: holds checkpoints of an earlier run (model-best.pth); pass "
+                                      "--resume auto")
+    check_output_dir(str(out), True, demo=True)  # --overwrite: trains it again
+
+
 def test_resume_auto_with_no_readable_checkpoint_is_an_error(tmp_path):
     """Both checkpoints damaged: an error, never (None, None), which would start afresh and
     delete the earlier run's files."""
