@@ -105,7 +105,8 @@ def main(argv=None):
     settings = LoopSettings.from_config(config, precision, channels_last, data, task)  # data: its mean and std
 
     if args.eval_only:
-        report_evaluation(evaluate(model, val_loader, device, num_classes, settings), data, config, settings.task)
+        report_evaluation(lambda: evaluate(model, val_loader, device, num_classes, settings), data, config,
+                          settings.task)  # the data, its evaluation (every rank), the report (rank 0)
         return
 
     # ---- How it learns (model.py: create_loss, create_optimizer, create_lr_scheduler)

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import gc
+import io
 import multiprocessing
 import os
 import re
@@ -384,6 +385,7 @@ def run_cli(main, argv=None):
     interpreter is whole: a model left in a reference cycle, or in the handled error's
     traceback, would otherwise be torn down during the interpreter's exit, and DDP's process
     group with it (gloo then aborts the process now and then: "terminate called ...")."""
+    print_lines_in_order()
     try:
         code = _exit_code(main, argv)
     finally:
@@ -391,6 +393,13 @@ def run_cli(main, argv=None):
     gc.collect()  # the handled error and its frames are gone by now; cycles go here
     if code:
         sys.exit(code)
+
+
+def print_lines_in_order():
+    """stdout written to a file or a pipe: flushed at each line, as on a terminal, so that its
+    lines and stderr's (never held back) reach the file in the order they were printed."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and not sys.stdout.line_buffering:
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def _exit_code(main, argv):

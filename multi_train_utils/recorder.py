@@ -619,14 +619,18 @@ def class_counts(dataset, classes):
     return positives_per_class(labels) if is_multi_hot(labels) else label_counts(labels, len(classes))
 
 
-def report_evaluation(result, data, config, task=None):
-    """What --eval-only prints (data, then ``task``'s per-class and overall metrics) and, with
-    --eval-output, writes (single-label: the confusion matrix as PNG and CSV,
-    overall_metrics.csv, per_class_metrics.csv); ``config``: options.Config. Rank 0 only: the other ranks return at once."""
+def report_evaluation(evaluation, data, config, task=None):
+    """What --eval-only prints and writes, in the order it happens: rank 0 describes the data,
+    every rank runs ``evaluation`` (a call of evaluate, whose collectives need them all), then
+    rank 0 prints ``task``'s per-class and overall metrics and, with --eval-output, writes them
+    (single-label: the confusion matrix as PNG and CSV, overall_metrics.csv,
+    per_class_metrics.csv); ``config``: options.Config. The other ranks print and write nothing."""
+    task = task or SingleLabel()
+    if is_main_process():
+        print_data_summary(config, data, task)
+    result = evaluation()
     if not is_main_process():
         return
-    task = task or SingleLabel()
-    print_data_summary(config, data, task)
     task.print_evaluation(result, data.classes)
     if config.run.eval_output:
         task.write_evaluation(result, data.classes, config.run.eval_output, printable(config.recipe.weights))

@@ -33,6 +33,8 @@ def test_same_exact_accuracy_at_world_size_1_2_3_4(single_run):
     before, tb_before = snapshot(out), os.listdir(out + "-tb")
     outputs = {ws: eval_only(weights, ws) for ws in (1, 2, 3, 4)}
     outputs["single"] = eval_only(weights, 1, "train_single.py")
+    for stdout in outputs.values():  # the data described first, then evaluated (its bar), then the report
+        assert stdout.index("split: ") < stdout.index("[valid]") < stdout.index("top1 accuracy")
     lines = {key: top1_line(stdout) for key, stdout in outputs.items()}
     expected = float(read_metrics(out)[-1]["val_accuracy"])
     correct = round(expected * 7)

@@ -810,7 +810,7 @@ def test_class_names_cannot_escape_the_output_folder(tmp_path, capsys):
     save_confusion_matrix(confusion, classes, str(out), "best epoch 0")
     labels = list(range(5))
     data = Datasets(MyDataSet(["x"] * 5, labels), MyDataSet(["y"] * 5, labels), classes)
-    report_evaluation(EvalResult(confusion, None, 1.0), data, config_of(args))
+    report_evaluation(lambda: EvalResult(confusion, None, 1.0), data, config_of(args))
     capsys.readouterr()
     written = sorted(os.path.relpath(os.path.join(folder, name), tmp_path)
                      for folder, _, names in os.walk(tmp_path) for name in names)

@@ -144,10 +144,10 @@ def test_only_rank_0_prints_and_writes_the_evaluation(tmp_path, monkeypatch, cap
                               class_weights="none", eval_output=str(tmp_path / "eval"), weights="w.pth")
     data = full_flags(classes=names(3), train=Split([0, 1, 2]), val=Split([0, 1, 2]), skipped=[])
     monkeypatch.setattr(summary, "is_main_process", lambda: False)
-    summary.report_evaluation(diagonal(3), data, config_of(args))
+    summary.report_evaluation(lambda: diagonal(3), data, config_of(args))
     assert capsys.readouterr().out == "" and not (tmp_path / "eval").exists()
     monkeypatch.setattr(summary, "is_main_process", lambda: True)
-    summary.report_evaluation(diagonal(3), data, config_of(args))
+    summary.report_evaluation(lambda: diagonal(3), data, config_of(args))
     assert capsys.readouterr().out.strip().splitlines()[-1] == "top1 accuracy: 1.000000 (12/12)"
     assert (tmp_path / "eval" / "per_class_metrics.csv").is_file()
 

@@ -167,6 +167,35 @@ def test_the_start_summary_says_the_augmentations_on_the_images_channels_and_nor
     assert "training images an epoch" not in batch["default"]  # 64 images in whole batches at 1 and 2 processes
 
 
+def test_printed_lines_reach_a_file_in_the_order_printed_when_stdout_and_stderr_share_it(tmp_path, monkeypatch):
+    """Issue 44's new user: written to a file (``> log 2>&1``), stdout is held back in blocks
+    while stderr is not, so lines came out of order. Under run_cli, stdout goes out line by
+    line: a stdout line, a stderr line and a progress bar's line reach the file in that order."""
+    import io
+    import sys
+
+    from multi_train_utils.errors import run_cli
+
+    path = tmp_path / "log.txt"
+    with open(path, "wb", buffering=0) as raw:
+        stdout = io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=1 << 16), encoding="utf-8")  # as Python's for a file
+        stderr = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+        monkeypatch.setattr(sys, "stdout", stdout)
+        monkeypatch.setattr(sys, "stderr", stderr)
+
+        def main(argv):
+            print("split: 36 train, 7 val images")
+            print("warning: skipping a.png", file=sys.stderr)
+            print("top1 accuracy: 1.000000 (7/7)")
+            stdout.write("held back")  # not a whole line: it may wait
+            assert path.read_text() == ("split: 36 train, 7 val images\nwarning: skipping a.png\n"
+                                        "top1 accuracy: 1.000000 (7/7)\n")
+
+        run_cli(main)
+        stdout.flush()
+    assert path.read_text().endswith("held back")
+
+
 def test_an_earlier_versions_checkpoint_loads_and_what_is_no_longer_read_is_left_out(tmp_path):
     from multi_train_utils.checkpoint import BestEpoch, load_checkpoint
 
