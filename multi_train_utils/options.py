@@ -28,6 +28,10 @@ RUN_SETTINGS = ("model", "img_size", "val_resize_size", "val_rate", "seed", "mul
 # Where the data is: class folders or label files. --eval-only takes the run's, unless any of
 # them is given on the command line (then none of the run's, so that the two never mix).
 DATA_FLAGS = ("data_path", "val_path", "train_list", "val_list")
+# What --resume leaves out of the run's settings: how this session runs (its device, workers,
+# threads, launcher), not what the run is. Every other flag of args.json is the run's.
+SESSION_FLAGS = ("resume", "overwrite", "eval_only", "eval_output", "requeue", "download", "device", "workers",
+                 "threads", "print_freq", "compile", "channels_last", "output_dir")
 # The flags of the other script, with the values they have in this one: every setting the
 # engine reads is then there in both (a missing one is an error at start, see check_complete).
 SINGLE_PROCESS_SETTINGS = {"scale_lr": False, "sync_bn": False, "dist_backend": None, "dist_url": "env://",
@@ -300,6 +304,8 @@ def parse_args(parser, argv=None):
     given = given_on_command_line(parser, argv)
     for key, value in parser.other_script_settings.items():
         setattr(args, key, value)
+    if args.resume and not args.eval_only:
+        given = given | take_resumed_run_settings(args, given)
     if args.demo:
         for key, value in DEMO_DEFAULTS.items():
             if key not in given:
@@ -408,14 +414,44 @@ def take_run_settings(args, given):
     run_args = read_run_args(run_dir)
     if run_args is None:
         return
-    taken = RUN_SETTINGS + (DATA_FLAGS if not given & set(DATA_FLAGS) else ())
+    settings = RUN_SETTINGS + (DATA_FLAGS if not given & set(DATA_FLAGS) else ())
+    taken = {key for key in settings if key not in given and key in run_args}
     for key in taken:
-        if key not in given and key in run_args:
-            setattr(args, key, run_args[key])
+        setattr(args, key, run_args[key])
+    check_taken_data(args, taken, run_dir)
+
+
+def take_resumed_run_settings(args, given):
+    """For --resume: every setting of the run in --output-dir (auto) or beside the checkpoint
+    (its args.json) that is not given on the command line, but this session's (SESSION_FLAGS,
+    the launcher's); none of its data flags where a given one names other data than the run's
+    (the two never mix). Returns the names taken. A given flag that changes the run is refused later, naming it
+    (checkpoint.check_resume_compatible)."""
+    run_dir = args.output_dir if args.resume == "auto" else os.path.dirname(os.path.abspath(args.resume))
+    run_args = read_run_args(run_dir)
+    if run_args is None:
+        return set()
+    other_data = any(not same_path(getattr(args, key), run_args.get(key)) for key in given & set(DATA_FLAGS))
+    left_out = set(SESSION_FLAGS) | set(SINGLE_PROCESS_SETTINGS) | set(DDP_SETTINGS) | \
+        (set(DATA_FLAGS) if other_data else set())
+    taken = {key for key in run_args if hasattr(args, key) and key not in given and key not in left_out}
+    for key in taken:
+        setattr(args, key, run_args[key])
+    check_taken_data(args, taken, run_dir)
+    return taken
+
+
+def same_path(a, b):
+    """Whether two paths (or None) name the same place, typed relative or absolute."""
+    return a == b or (a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b))
+
+
+def check_taken_data(args, taken, run_dir):
+    """The data flags ``taken`` from ``run_dir``'s args.json still name files that are there."""
     used = ("train_list", "val_list") if args.train_list else ("data_path", "val_path")  # --data-path is unused then
     for key in used:
         path = getattr(args, key)
-        if key not in given and path and not os.path.exists(path):
+        if key in taken and path and not os.path.exists(path):
             raise UserError(f"--{key.replace('_', '-')} {path} (from {os.path.join(run_dir, 'args.json')}) is not "
                             f"there any more; give --{key.replace('_', '-')}")
 

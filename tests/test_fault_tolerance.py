@@ -132,8 +132,11 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(uninterrupted, tiny_dat
     assert killed.returncode != 0, killed.stdout + killed.stderr
     saved = torch.load(out / "checkpoint.pth", weights_only=True)["epoch"]
     assert saved == 1
-    # the same command with --resume auto (and no loader workers: the result must not depend on them)
-    resumed = run(command(kind, False, *flags, "--workers", "0", "--resume", "auto"))
+    # README's short form: --data-path and --resume auto; the rest (the model, sizes, epochs,
+    # --keep-last, the log folder...) comes from the run's args.json. No loader workers: the
+    # result must not depend on them.
+    resumed = run(command(kind, False, "--data-path", tiny_data["train"], "--output-dir", str(out), "--workers", "0",
+                          "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"(epoch {saved} done): epochs {saved + 1} to 3" in resumed.stdout
     assert metric_rows(out) == metric_rows(reference)  # one row per epoch, the same values

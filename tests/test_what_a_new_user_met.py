@@ -196,6 +196,47 @@ def test_printed_lines_reach_a_file_in_the_order_printed_when_stdout_and_stderr_
     assert path.read_text().endswith("held back")
 
 
+@pytest.mark.parametrize("resume", ["auto", "path"])
+def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_own(resume, tmp_path):
+    """Issue 44's new user: `--data-path ... --resume auto` on a run started with --model
+    resnet18 was refused. A resume (auto, or the checkpoint's path) takes every setting of the
+    run's args.json that is not typed again; what is typed wins (--epochs 8); what belongs to
+    this session is not taken (--workers, --threads, --print-freq, --device; under torchrun
+    the launcher's). The data: the run's, with the README's short form (the same --data-path,
+    typed relative) too; a typed --data-path of other data leaves all of the run's out."""
+    from multi_train_utils.run_files import write_run_settings
+
+    data, other = tmp_path / "flowers", tmp_path / "other"
+    for folder in (data, other):
+        folder.mkdir()
+    out = tmp_path / "run"
+    first = parse_flags(False, "--data-path", str(data), "--val-path", str(other), "--model", "resnet18",
+                        "--img-size", "64", "--mixup-alpha", "0.4", "--epochs", "5", "--seed", "7", "--lr", "0.03",
+                        "--workers", "3", "--threads", "1", "--print-freq", "2", "--device", "cpu", "--output-dir",
+                        str(out), "--log-dir", str(tmp_path / "tb"), "--checkpoint-every", "10")
+    write_run_settings(str(out), config_of(first).flags, ["a", "b"])
+    where = ["--resume", "auto", "--output-dir", str(out)] if resume == "auto" else [
+        "--resume", str(out / "checkpoint.pth")]
+    for distributed in (False, True):
+        args = parse_flags(distributed, *where, "--epochs", "8")
+        taken = (args.data_path, args.val_path, args.model, args.img_size, args.mixup_alpha, args.seed, args.lr,
+                 args.log_dir, args.checkpoint_every)
+        assert taken == (str(data), str(other), "resnet18", 64, 0.4, 7, 0.03, str(tmp_path / "tb"), 10.0)
+        assert args.epochs == 8  # typed again: this one
+        fresh = parse_flags(distributed)
+        for session in ("workers", "threads", "print_freq", "device", "scale_lr", "sync_bn", "dist_timeout"):
+            assert getattr(args, session) == getattr(fresh, session), session
+    short = parse_flags(False, *where, "--data-path", os.path.relpath(data))  # the README's short form
+    assert (short.data_path, short.val_path, short.model) == (os.path.relpath(data), str(other), "resnet18")
+    typed = parse_flags(False, *where, "--data-path", str(other))  # other data: none of the run's
+    assert (typed.data_path, typed.val_path, typed.model) == (str(other), None, "resnet18")
+    other.rmdir()  # the run's validation folder is gone: one line naming where the path came from
+    from multi_train_utils.errors import UserError
+    with pytest.raises(UserError, match=rf"--val-path {other} \(from {out / 'args.json'}\) is not there any more; "
+                                        "give --val-path"):
+        parse_flags(False, *where)
+
+
 def test_an_earlier_versions_checkpoint_loads_and_what_is_no_longer_read_is_left_out(tmp_path):
     from multi_train_utils.checkpoint import BestEpoch, load_checkpoint
 
