@@ -304,11 +304,10 @@ def parse_args(parser, argv=None):
     given = given_on_command_line(parser, argv)
     for key, value in parser.other_script_settings.items():
         setattr(args, key, value)
-    if args.resume and not args.eval_only:
-        given = given | take_resumed_run_settings(args, given)
+    taken = take_resumed_run_settings(args, given) if args.resume and not args.eval_only else set()
     if args.demo:
         for key, value in DEMO_DEFAULTS.items():
-            if key not in given:
+            if key not in given | taken:
                 setattr(args, key, value)
     if args.eval_only:
         if not args.weights:

@@ -576,11 +576,11 @@ def print_data_summary(config, data, task=None):
     else:
         print(f"data: {where}: {len(data.classes)} classes (images per class: give the datasets .targets)")
     print(f"split: {len(data.train)} train, {len(data.val)} val images", flush=True)
-    print(describe_images(*images_info(data)))
     remedy = (task or SingleLabel()).balance_flags
     warning = imbalance_warning(config.recipe, train, data.classes, remedy) if train is not None else None
     if warning:
         print(f"warning: {warning}", flush=True)
+    print(describe_images(*images_info(data)))
 
 
 def describe_images(channels, mean, std):

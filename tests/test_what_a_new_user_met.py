@@ -230,6 +230,12 @@ def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_o
     assert (short.data_path, short.val_path, short.model) == (os.path.relpath(data), str(other), "resnet18")
     typed = parse_flags(False, *where, "--data-path", str(other))  # other data: none of the run's
     assert (typed.data_path, typed.val_path, typed.model) == (str(other), None, "resnet18")
+    demo = tmp_path / "demo-run"  # a --demo run of 5 epochs: its own --demo defaults do not undo what is taken
+    write_run_settings(str(demo), config_of(parse_flags(False, "--demo", "--epochs", "5", "--data-path", str(data),
+                                                         "--output-dir", str(demo))).flags, ["a", "b"])
+    resumed_demo = parse_flags(False, "--resume", "auto", "--output-dir", str(demo))
+    assert (resumed_demo.demo, resumed_demo.epochs, resumed_demo.data_path, resumed_demo.img_size) == (True, 5,
+                                                                                                      str(data), 96)
     other.rmdir()  # the run's validation folder is gone: one line naming where the path came from
     from multi_train_utils.errors import UserError
     with pytest.raises(UserError, match=rf"--val-path {other} \(from {out / 'args.json'}\) is not there any more; "
