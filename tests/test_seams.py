@@ -336,3 +336,79 @@ def test_eval_only_keeps_the_defaults_of_settings_an_older_args_json_lacks(tmp_p
     assert (args.model, args.img_size, args.data_path) == ("resnet18", 32, str(tmp_path))
     assert (args.seed, args.val_rate, args.amp, args.val_resize_size, args.task, args.multi_label) == \
         (0, 0.2, "auto", None, "single-label", False)
+
+
+# --- Round 17's survivors, each with its test ---------------------------------------------------
+
+def test_checkpoints_inside_the_epoch_come_every_10_minutes_by_default():
+    """flags.md: "`--checkpoint-every MINUTES` (10; 0: only at epoch ends ...)", both scripts."""
+    assert parse_flags(False).checkpoint_every == parse_flags(True).checkpoint_every == 10.0
+
+
+@pytest.mark.parametrize("top_k, shown", [(3, 3), (4, 4), (9, 4)])
+def test_predict_shows_top_k_classes_and_every_class_when_top_k_reaches_their_count(top_k, shown):
+    """outputs.md: predict prints "the top `--top-k` (3) classes with their probabilities": of 4
+    classes, --top-k 3 shows 3, --top-k 4 and 9 all 4, most probable first."""
+    from multi_train_utils.single_label import SingleLabel
+
+    line = SingleLabel().describe(torch.tensor([0.1, 0.4, 0.2, 0.3]), ["a", "b", "c", "d"], top_k)
+    assert line == ", ".join(["b 0.400", "d 0.300", "c 0.200", "a 0.100"][:shown])
+
+
+def test_multi_label_tensorboard_scalars_are_every_figure_of_the_page():
+    """multi-label.md: TensorBoard gets "the scalars `map`, `micro_f1`, `micro_precision`,
+    `micro_recall`, `macro_f1`, `accuracy`, `val_loss`", each the result's own value."""
+    from types import SimpleNamespace
+
+    from multi_train_utils.multi_label import MultiLabel
+
+    result = SimpleNamespace(accuracy=0.1, macro_f1=0.2, map=0.3, micro_f1=0.4, micro_precision=0.5, micro_recall=0.6,
+                             loss=0.7)
+    assert MultiLabel().scalars(result) == {"map": 0.3, "micro_f1": 0.4, "micro_precision": 0.5, "micro_recall": 0.6,
+                                            "macro_f1": 0.2, "accuracy": 0.1, "val_loss": 0.7}
+
+
+def test_single_label_ema_cells_are_the_emas_own_figures():
+    """outputs.md: "the EMA's `ema_val_accuracy`, `ema_val_loss`, `ema_val_balanced_accuracy`,
+    `ema_val_macro_f1`": the model all right on 6 images (loss 0.6 summed), the EMA 4 of 6
+    (recall and precision 2/3 in both classes, loss 3.0 summed)."""
+    from multi_train_utils.single_label import SingleLabel
+
+    model = EvalResult(torch.tensor([[3, 0], [0, 3]]), loss_sum=0.6)
+    ema = EvalResult(torch.tensor([[2, 1], [1, 2]]), loss_sum=3.0)
+    cells = SingleLabel().cells(model, ema)
+    assert (cells["val_accuracy"], cells["val_loss"], cells["val_macro_f1"]) == ("1.000000", "0.100000", "1.000000")
+    assert (cells["ema_val_accuracy"], cells["ema_val_loss"], cells["ema_val_balanced_accuracy"],
+            cells["ema_val_macro_f1"]) == ("0.666667", "0.500000", "0.666667", "0.666667")
+
+
+@pytest.mark.parametrize("done_steps, accum_steps, scheduler_steps", [(3, 2, 2), (4, 2, 2), (5, 1, 5)])
+def test_a_resume_inside_an_epoch_counts_a_partial_accumulation_group_as_a_step_of_the_schedule(
+        done_steps, accum_steps, scheduler_steps):
+    """guarantees.md: a resume puts "the schedule at the step those images make": 3 batches done
+    at --accum-steps 2 made 2 optimizer steps (the last group of one batch steps too, as the
+    epoch's last group does), so the schedule stands at 2; 4 batches at 2; 5 at 5 without
+    accumulation."""
+    from multi_train_utils.loaders import EpochPosition
+
+    images = list(range(14))
+    batches = EpochBatchSampler(DistributedSampler(images, num_replicas=1, rank=0, shuffle=False), 2)
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    state = TrainState(model, optimizer, scheduler, position=EpochPosition(
+        epoch=0, done=2 * done_steps, end=14, order_world_size=1, step=done_steps, train_images=14,
+        loss_sums=[1.0], loss_count=done_steps))
+    loader = DataLoader({(0, i): i for i in images}, batch_sampler=batches)
+    train_eval_utils.start_epoch(state, loader, 0, LoopSettings(accum_steps=accum_steps), torch.device("cpu"))
+    assert scheduler.last_epoch == scheduler_steps
+
+
+@pytest.mark.parametrize("count, listed", [(20, list(range(20))), (21, [20, 19, 18, 17, 16, 15, 14, 13, 12, 11])])
+def test_a_multi_label_report_lists_every_class_up_to_20_and_the_10_of_lowest_ap_from_21(count, listed):
+    """multi-label.md: the end summary lists each class's figures "(beyond 20 classes the 10 of
+    lowest AP)": exactly 20 classes are all listed; of 21, AP falling with the index, the last 10."""
+    from multi_train_utils.multi_label import listed_classes
+
+    report = {"ap": [1.0 - c / 100 for c in range(count)]}
+    assert listed_classes(report, [f"c{c}" for c in range(count)]) == listed
