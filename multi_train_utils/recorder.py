@@ -387,9 +387,10 @@ def time_to_target(target, rows, best_epoch, task, header):
     parts = []
     if best_epoch in seconds:
         parts.append(f"the best epoch ({best_epoch}) after {format_duration(seconds[best_epoch])} of training")
-    if target is not None:
+    if target is not None:  # reached: the model's or the EMA's figure at the target or past it, the metric's way
         reached = [int(r["epoch"]) for r in rows
-                   if max(float(r[f"val_{name}"] or "nan"), float(r[f"ema_val_{name}"] or "nan")) >= target]
+                   if any(v == v and not task.is_better(name, target, v)
+                          for v in (float(r.get(f"{model}val_{name}") or "nan") for model in ("", "ema_")))]
         if reached and reached[0] in seconds:
             parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}, after "
                          f"{format_duration(seconds[reached[0]])}")

@@ -412,3 +412,52 @@ def test_a_multi_label_report_lists_every_class_up_to_20_and_the_10_of_lowest_ap
 
     report = {"ap": [1.0 - c / 100 for c in range(count)]}
     assert listed_classes(report, [f"c{c}" for c in range(count)]) == listed
+
+
+@pytest.mark.parametrize("ema_column", [True, False])
+def test_the_time_to_target_follows_a_tasks_own_headline_lower_is_better_with_or_without_ema_cells(ema_column):
+    """Round 17's reviewer: a task whose headline is its own metric (``mae``, lower is better)
+    crashed --target-accuracy's line (no ``ema_val_mae`` column) and took "reached" as "at least".
+    MAE 0.9, 0.4, 0.3 at 10, 20, 30 s: 0.5 is first reached at epoch 1 (20 s); 0.2 never."""
+    from multi_train_utils.recorder import time_to_target
+    from multi_train_utils.task import Task
+
+    class Grades(Task):
+        metrics, lower_is_better, headline = ("mae",), ("mae",), ("mae", "mean absolute error")
+
+    header = ["epoch", "run_seconds", "val_mae"] + (["ema_val_mae"] if ema_column else [])
+    rows = [[str(e), str(s), str(m)] + ([""] if ema_column else []) for e, s, m in ((0, 10, 0.9), (1, 20, 0.4),
+                                                                                   (2, 30, 0.3))]
+    assert time_to_target(0.5, rows, 2, Grades(), header) == (
+        "run clock: the best epoch (2) after 0m30s of training; val mean absolute error 0.5 first reached at epoch 1, "
+        "after 0m20s")
+    assert time_to_target(0.2, rows, 2, Grades(), header).endswith(
+        "; val mean absolute error never reached --target-accuracy 0.2")
+
+
+def test_metrics_csv_holds_a_tasks_own_columns_after_the_common_ones_with_its_cells(tmp_path):
+    """layout.md: "`columns` | metrics.csv columns of its own, after the common ones": a task's
+    own column and its cell reach metrics.csv (round 17: the common header alone was written)."""
+    import csv
+
+    from conftest import run_recorder
+    from multi_train_utils.single_label import SingleLabel
+
+    class Graded(SingleLabel):
+        columns = ("val_grade",)
+
+        def cells(self, result, ema_result=None):
+            return {**super().cells(result, ema_result), "val_grade": f"{result.accuracy / 2:.6f}"}
+
+    model = nn.Linear(2, 2)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    recorder = run_recorder(full_flags(output_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "tb"), plots=False,
+                                       keep_last=0, best_metric="accuracy"), full_flags(classes=["a", "b"]), state,
+                            task=Graded(),
+                            enabled=True, world_size=1)
+    recorder.end_epoch(0, train_eval_utils.TrainStats(1.0, 8, 1.0, 0.1, 8.0), EvalResult(torch.tensor([[3, 1], [0, 4]])))
+    recorder.close()
+    with open(tmp_path / "out" / "metrics.csv", newline="") as f:
+        header, row = list(csv.reader(f))
+    assert header[-1] == "val_grade" and header.index("val_accuracy") < header.index("val_grade")
+    assert dict(zip(header, row))["val_grade"] == "0.437500" and dict(zip(header, row))["val_accuracy"] == "0.875000"
