@@ -143,7 +143,7 @@ def check_output_dir(output_dir, overwrite, resume_path=None, demo=False):
     earlier = [f for f in earlier_run_files(output_dir) if f.endswith(".pth")]
     if earlier and not overwrite and not resuming_here:
         names = ", ".join(os.path.basename(f) for f in earlier[:3]) + (", ..." if len(earlier) > 3 else "")
-        if demo and (read_run_args(output_dir, "or choose another --output-dir") or {}).get("demo"):
+        if demo and (read_run_args(output_dir) or {}).get("demo"):
             raise UserError(f"--output-dir {output_dir}: holds the run of an earlier --demo ({names}); the demo's data "
                             "is made once, and its run is kept: add --overwrite to train the demo again in its place, "
                             "or choose another --output-dir to keep both")
