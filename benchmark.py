@@ -6,6 +6,7 @@
     python benchmark.py --scale 10000,100000,1281000   # start-up and worker memory against the file count
     python benchmark.py --decoders 96,224  # one loader worker's JPEG decoding at these crop sizes
     python benchmark.py --save-cost resnet34,resnet50   # seconds a checkpoint inside the epoch pauses training
+    python benchmark.py --multi-label-eval 125000x600   # one multi-label validation pass at 1 and 2 processes
 
 Prints a table and writes it as JSON (--json). What each row means:
   data       the training loader alone (decode, augment, collate), images/s
@@ -24,6 +25,11 @@ the train transform) and the mean and largest pixel difference of its full-size 
 --save-cost rows instead: for each model, with SGD (momentum) and AdamW state after one optimizer
 step and 1000 classes, the size of checkpoint.pth and the seconds one save takes, as training
 writes it inside an epoch (off the device, build, atomic write, the previous kept): the pause.
+--multi-label-eval rows instead: one multi-label validation pass of generated scores (images x
+classes) at 1, 2, ... processes of one thread each (gloo), as an epoch does it: the tally of
+every batch, its result (the classes split across the ranks), and the figures the epoch reads
+(metrics.csv's cells, the best epoch's report at tuned thresholds); its seconds (the slowest
+rank) and each rank's peak memory growth, against the size of all the scores in float32.
 The first steps of every timed run (start-up, kernel selection) are left out. results.timed
 records, per row, what was timed: images and steps after the warm-up and, for rows that run
 the model here, the dtype and memory format of the first convolution's output.
@@ -35,6 +41,7 @@ import math
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -81,6 +88,14 @@ def file_counts(text):
     return counts
 
 
+def images_by_classes(text):
+    """argparse type: IMAGESxCLASSES, two positive integers."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give images x classes as two positive numbers, e.g. 125000x600")
+    return [int(part) for part in parts]
+
+
 def get_args_parser():
     parser = argparse.ArgumentParser(description="Benchmark the training pipeline (see the module docstring).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -113,6 +128,10 @@ def get_args_parser():
                              "removed afterwards")
     parser.add_argument("--save-repeats", type=int, default=5, help="with --save-cost: saves per row; the median "
                         "is reported")
+    parser.add_argument("--multi-label-eval", type=images_by_classes, default=None, metavar="IMAGESxCLASSES",
+                        help="instead of the speed rows: one multi-label validation pass of this size")
+    parser.add_argument("--eval-processes", type=file_counts, default=[1, 2], metavar="P,P,...",
+                        help="with --multi-label-eval: the process counts")
     parser.add_argument("--quick", action="store_true", help="smoke test in seconds: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()) + " (unless given)")
     return parser
 
@@ -603,6 +622,102 @@ def report_save_cost(args):
     print(f"\nwritten to {args.json}")
 
 
+# --- --multi-label-eval: a multi-label validation pass at scale ----------------------------------
+
+EVAL_BATCH = 256  # images a generated validation batch
+
+
+def eval_batch(index, classes):
+    """Generated batch ``index`` of (logits, labels, weights), from its own seed (the same
+    images at any world size): each class positive in 0.5-20 % of the images, its logits 2
+    higher on its positives."""
+    generator = torch.Generator().manual_seed(index)
+    labels = (torch.rand(EVAL_BATCH, classes, generator=generator) < torch.linspace(0.005, 0.2, classes)).float()
+    logits = torch.randn(EVAL_BATCH, classes, generator=generator) + 2 * labels - 2
+    return logits, labels, torch.ones(EVAL_BATCH, dtype=torch.int64)
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def eval_pass(rank, world, port, images, classes, folder):
+    """One rank's pass: batches rank, rank + world, ... through the multi-label tally, then its
+    result and the figures an epoch reads; its seconds and peak memory growth to ``folder``."""
+    import resource
+
+    import torch.distributed as dist
+    from multi_train_utils.multi_label import MultiLabel
+
+    torch.set_num_threads(1)  # as torchrun gives each rank of a 2-core machine
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    task = MultiLabel(tune_thresholds=True)
+    batches = [eval_batch(i, classes) for i in range(2)]  # warm-up: the first calls of each operation
+    warm = task.evaluation(classes, torch.device("cpu"))
+    for batch in batches:
+        warm.add(*batch)
+    task.keep(warm.result())
+    del warm, batches
+    before, seconds = rss_bytes(), 0.0
+    tally = task.evaluation(classes, torch.device("cpu"))
+    for index in range(rank, math.ceil(images / EVAL_BATCH), world):
+        batch = eval_batch(index, classes)  # made outside the timer
+        start = time.perf_counter()
+        tally.add(*batch)
+        seconds += time.perf_counter() - start
+    start = time.perf_counter()
+    result = tally.result()
+    cells, kept = task.cells(result), task.keep(result)
+    seconds += time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+        json.dump({"seconds": seconds, "peak_bytes": peak, "map": result.map, "micro_f1": result.micro_f1,
+                   "images": result.total, "tuned_map": kept["report"]["map"], "cells": cells}, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def eval_rows(images, classes, processes):
+    """One row per process count: the pass's seconds (slowest rank), peak growth (largest), mAP."""
+    import torch.multiprocessing as mp
+
+    rows = []
+    for world in processes:
+        with tempfile.TemporaryDirectory() as folder:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(eval_pass, args=(world, port, images, classes, folder), nprocs=world)
+            ranks = [json.load(open(os.path.join(folder, f"{rank}.json"))) for rank in range(world)]
+        rows.append({"processes": world, "seconds": max(r["seconds"] for r in ranks),
+                     "peak_bytes": max(r["peak_bytes"] for r in ranks), "map": ranks[0]["map"],
+                     "micro_f1": ranks[0]["micro_f1"], "images": ranks[0]["images"],
+                     "same_on_every_rank": all(r["cells"] == ranks[0]["cells"] for r in ranks)})
+        print(f"{world} process(es): {rows[-1]['seconds']:.2f} s, peak +{rows[-1]['peak_bytes'] / 1e9:.2f} GB", flush=True)
+    return rows
+
+
+def report_multi_label_eval(args):
+    """--multi-label-eval: the rows, printed and written to --json."""
+    images, classes = args.multi_label_eval
+    rows = eval_rows(images, classes, args.eval_processes)
+    scores = images * classes * 4
+    machine = machine_description(torch.device("cpu"))
+    print(f"\n{machine}\none multi-label validation pass, {images} images x {classes} classes (scores: "
+          f"{scores / 1e9:.2f} GB in float32), one thread a process")
+    print(f"{'processes':>9} {'seconds':>8} {'peak GB':>8} {'/ scores':>9} {'mAP':>10}")
+    for row in rows:
+        print(f"{row['processes']:>9} {row['seconds']:>8.2f} {row['peak_bytes'] / 1e9:>8.2f} "
+              f"{row['peak_bytes'] / scores:>8.2f}x {row['map']:>10.6f}{'' if row['same_on_every_rank'] else ' (ranks differ!)'}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"machine": machine, "images": images, "classes": classes, "scores_bytes": scores,
+                   "multi_label_eval": rows}, f, indent=2)
+    print(f"\nwritten to {args.json}")
+
+
 # --- The report ---------------------------------------------------------------------------------
 
 def machine_description(device):
@@ -684,6 +799,8 @@ def main(argv=None):
         return report_decoders(args)
     if args.save_cost:
         return report_save_cost(args)
+    if args.multi_label_eval:
+        return report_multi_label_eval(args)
     # before the data is made (the class count does not change which sizes a model takes)
     check_input_size(ModelSpec(create_model, args.model, 2, args.img_size), args.batch_size, training=True)
     device = select_device(args.device, make_current=False)  # counts GPUs without creating a CUDA context

@@ -455,19 +455,52 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+def row_counts(rows, device):
+    """The number of rows each rank holds, in rank order (one all-gather)."""
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(get_world_size())]
+    dist.all_gather(counts, torch.tensor([rows], device=device))
+    return [int(c) for c in torch.cat(counts).cpu()]
+
+
 def all_gather_rows(rows):
     """The rows of every rank, rank 0's first, on every rank: each rank's own number of rows
     (no padding in the result; the transfer pads to the longest and trims)."""
     if not is_dist_avail_and_initialized() or dist.get_world_size() == 1:
         return rows
-    counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([len(rows)], device=rows.device))
-    counts = [int(c) for c in torch.cat(counts).cpu()]
+    counts = row_counts(len(rows), rows.device)
     padded = rows.new_zeros(max(counts), *rows.shape[1:])
     padded[:len(rows)] = rows
     gathered = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(gathered, padded)
     return torch.cat([block[:count] for block, count in zip(gathered, counts)])
+
+
+def columns_of_every_rank(blocks, bounds):
+    """Every rank's rows, cut to this rank's columns ``bounds[rank]:bounds[rank + 1]``: a list
+    of blocks, rank 0's rows first. ``blocks`` (this rank's rows, each rows x columns, at least
+    one) is emptied once sent, so that its memory goes before the answer comes. One
+    all-to-all: each rank sends every other rank that rank's columns and nothing else."""
+    if not is_dist_avail_and_initialized() or dist.get_world_size() == 1:
+        return [block[:, bounds[0]:bounds[1]] for block in blocks]
+    rows, widths = sum(len(block) for block in blocks), [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    counts, mine = row_counts(rows, blocks[0].device), widths[get_rank()]
+    send, offset = blocks[0].new_empty(rows * bounds[-1]), 0
+    for lo, hi in zip(bounds, bounds[1:]):  # each rank's columns of all my rows, one after the other
+        torch.cat([block[:, lo:hi] for block in blocks], out=send[offset:offset + rows * (hi - lo)].view(rows, hi - lo))
+        offset += rows * (hi - lo)
+    blocks.clear()
+    received = send.new_empty(sum(counts) * mine)
+    dist.all_to_all_single(received, send, [count * mine for count in counts], [rows * width for width in widths])
+    return [part.view(count, mine) for part, count in zip(received.split([count * mine for count in counts]), counts)]
+
+
+def gather_objects(obj):
+    """``obj`` of every rank, in rank order (pickled)."""
+    if get_world_size() < 2:
+        return [obj]
+    parts = [None] * get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
 
 
 def broadcast_buffers(module, src=0):

@@ -11,13 +11,13 @@ enter together. A class without positive validation images has AP nan and is lef
 """
 import math
 import os
-from functools import cached_property
 
 import numpy as np
 import torch
 from torch import nn
 
-from multi_train_utils.distributed_utils import all_gather_rows, all_reduce_sum
+from multi_train_utils.distributed_utils import (all_reduce_sum, columns_of_every_rank, gather_objects,
+                                                 get_rank, get_world_size)
 from multi_train_utils.files import NUMBER, check_fields, csv_text, read_json, write_json_atomic, write_text_atomic
 from multi_train_utils.pictures import PLOT_FILES, plot_per_class_ap, plot_pr_curves, save_figure
 from multi_train_utils.run_files import THRESHOLDS_FILE
@@ -28,6 +28,7 @@ from multi_train_utils.task import MAX_CLASSES_LISTED, WORST_SHOWN, Task, nanmea
 # --class-weights balanced: each class's positive weight is its negatives / positives, at most
 # this (a class in 1 of 10,000 images would otherwise weigh its positives 9,999 times).
 POS_WEIGHT_CAP = 100.0
+PRIOR_FLOOR = 1e-4  # the rarest share a class's starting bias stands for (log-odds -9.2)
 DEFAULT_THRESHOLD = 0.5  # a class is predicted when its probability is at least its threshold
 CURVE_POINTS = 256  # points kept of each precision-recall curve drawn at the end
 WORST_CURVES = 6  # classes of lowest AP whose precision-recall curves are drawn
@@ -44,6 +45,16 @@ def positive_weights(targets, cap=POS_WEIGHT_CAP):
     negatives = len(targets) - positives
     weights = [min(n / p, cap) if p and n else 1.0 for p, n in zip(positives.tolist(), negatives.tolist())]
     return torch.tensor(weights, dtype=torch.float32)
+
+
+def prior_log_odds(targets, floor=PRIOR_FLOOR):
+    """Per class, log(p / (1 - p)) of p its share of the training ``targets`` (images x
+    classes), p kept within ``floor`` and 1 - ``floor``: a float32 tensor. As the classifier's
+    starting bias, each class's first sigmoid is its prior, so the first steps are not spent
+    pushing every logit of a rare class down (the negatives of 1,000 classes at 0.5 each would
+    swamp the positives' gradient)."""
+    share = torch.as_tensor(np.asarray(targets), dtype=torch.float64).mean(dim=0).clamp(floor, 1 - floor)
+    return torch.log(share / (1 - share)).float()
 
 
 def smoothed(targets, label_smoothing):
@@ -73,53 +84,140 @@ def predicted_names(probabilities, thresholds, classes):
     return [(classes[c], p) for p, c in sorted(chosen, key=lambda pc: (-pc[0], pc[1]))]
 
 
-def _ranked(scores, positives):
-    """For one class: (distinct scores from the highest, true positives and false positives of
-    "score >= t" at each), images of equal scores counted together."""
-    order = torch.argsort(scores, descending=True, stable=True)
-    ranked, hits = scores[order], positives[order].double()
-    tp, fp = torch.cumsum(hits, 0), torch.cumsum(1 - hits, 0)
-    last = torch.ones(len(ranked), dtype=torch.bool)
-    last[:-1] = ranked[1:] != ranked[:-1]  # the last image of each group of equal scores
-    return ranked[last], tp[last], fp[last]
+CHUNK = 2 ** 20  # scores ranked at a time: classes x images (a few arrays of 8 MB each)
+AP, SUPPORT, TP, FP, TUNED, TUNED_TP, TUNED_FP = range(7)  # the columns of a class table (see class_table)
+
+
+def sort_keys(scores, positives):
+    """int64 keys, one per score (rows: classes), whose ascending order is the scores' order,
+    with the image's 0/1 target as the last bit: one integer sort ranks a class's scores and
+    carries its targets along (torch sorts 1-D int64 by radix on CPU)."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into 0.0
+    ordered = torch.where(bits >= 0, bits, -(2 ** 31) - 1 - bits) + 2 ** 31  # float order, 0 to 2^32 - 1
+    return ordered << 1 | positives.long()
+
+
+def key_scores(keys):
+    """The scores that ``sort_keys`` encoded."""
+    ordered = (keys >> 1) - 2 ** 31
+    return torch.where(ordered >= 0, ordered, -(2 ** 31) - 1 - ordered).int().view(torch.float32)
+
+
+def ranked_rows(keys):
+    """Each row of ``keys`` sorted, the highest first (one row at a time on CPU, where a 1-D
+    int64 sort is a radix sort; all rows at once elsewhere)."""
+    if keys.device.type == "cpu":
+        return torch.stack([torch.sort(row, stable=True).values for row in keys]).flip(1) if len(keys) else keys
+    return torch.sort(keys, dim=1, descending=True).values
+
+
+class Ranking:
+    """Each class's scores from the highest (rows: classes; scores and positives classes x
+    images): ``tp`` the true positives of "score >= this image's score", ``seen`` the images so
+    far (TP + FP), ``last`` the last image of each group of equal scores (images of equal scores
+    enter together: only there are "score >= t" counts defined), ``total`` each class's positives."""
+
+    def __init__(self, scores, positives):
+        self.keys = ranked_rows(sort_keys(scores, positives))
+        self.tp = (self.keys & 1).cumsum(dim=1)
+        self.seen = torch.arange(1, self.keys.shape[1] + 1, device=self.keys.device)
+        self.total = self.tp[:, -1] if self.keys.shape[1] else self.tp.new_zeros(len(self.keys))
+        scores = self.keys >> 1
+        self.last = torch.ones_like(self.keys, dtype=torch.bool)
+        self.last[:, :-1] = scores[:, 1:] != scores[:, :-1]
+
+    def precision(self):
+        return self.tp.double() / self.seen
+
+    def average_precision(self):
+        """Per class: the sum over the groups of equal scores of (its new positives / all
+        positives) x precision at its end; nan without positives."""
+        ends = torch.where(self.last, self.tp, 0)
+        before = torch.cummax(ends, dim=1).values.roll(1, dims=1)  # TP at the end of the group before
+        before[:, 0] = 0
+        gained = torch.where(self.last, self.tp - before, 0)
+        return (gained * self.precision()).sum(dim=1) / self.total
+
+    def best_f1(self):
+        """Per class: (threshold, TP, FP) of the cut of the highest F1 = 2 TP / (TP + FP + all
+        positives); of equal F1s the highest threshold (the first)."""
+        f1 = torch.where(self.last, 2 * self.tp.double() / (self.seen + self.total[:, None]), -1.0)
+        best = f1.argmax(dim=1, keepdim=True)
+        tp = self.tp.gather(1, best)[:, 0]
+        return key_scores(self.keys.gather(1, best)[:, 0]), tp, best[:, 0] + 1 - tp
+
+    def curve(self, points=CURVE_POINTS):
+        """(precision, recall) lists of the first class over its distinct thresholds, from the
+        highest, thinned to at most ``points`` (the first and last kept)."""
+        ends = self.last[0]
+        precision, recall = self.precision()[0][ends], self.tp[0][ends].double() / max(1, int(self.total[0]))
+        keep = torch.linspace(0, len(precision) - 1, min(points, len(precision))).round().long().unique()
+        return precision[keep].tolist(), recall[keep].tolist()
+
+
+def class_table(scores, positives, thresholds):
+    """Every figure of some classes from one ranking of their scores (scores and positives:
+    images x classes, as blocks of rows; thresholds: a float32 tensor, one per class): a
+    classes x 7 float64 table of AP (nan without positives), positives, TP and FP of "score >=
+    threshold", the best-F1 threshold (the class's threshold without positives), its TP and FP."""
+    images, classes = sum(len(block) for block in scores), len(thresholds)
+    table = torch.zeros(classes, 7, dtype=torch.float64)
+    step = max(1, CHUNK // max(1, images))
+    for lo in range(0, classes, step):
+        hi = min(classes, lo + step)
+        chunk = torch.cat([block[:, lo:hi].T for block in scores], dim=1)  # classes x images
+        hits = torch.cat([block[:, lo:hi].T for block in positives], dim=1).bool()
+        cut = thresholds[lo:hi].to(chunk.device)[:, None]
+        ranking = Ranking(chunk, hits)
+        tuned, tuned_tp, tuned_fp = ranking.best_f1() if images else (cut[:, 0], ranking.total, ranking.total)
+        predicted = chunk >= cut
+        tp = (predicted & hits).sum(dim=1)
+        fp = predicted.sum(dim=1) - tp
+        unmeasured = ranking.total == 0
+        columns = (ranking.average_precision() if images else torch.full_like(cut[:, 0], math.nan, dtype=torch.float64),
+                   ranking.total, tp, fp, torch.where(unmeasured, cut[:, 0], tuned),
+                   torch.where(unmeasured, tp, tuned_tp), torch.where(unmeasured, fp, tuned_fp))
+        table[lo:hi] = torch.stack([c.double().cpu() for c in columns], dim=1)
+    return table
+
+
+def worst_curves(scores, positives, table, first=0, worst=WORST_CURVES):
+    """The precision-recall curves of the ``worst`` classes of lowest AP in ``table`` (of those
+    with positives), as {str(first + class): {"precision": [...], "recall": [...]}}."""
+    measured = [c for c, ap in enumerate(table[:, AP].tolist()) if not math.isnan(ap)]
+    curves = {}
+    for c in sorted(measured, key=lambda c: (float(table[c, AP]), c))[:worst]:
+        ranking = Ranking(torch.cat([block[:, c] for block in scores])[None],
+                          torch.cat([block[:, c] for block in positives])[None].bool())
+        precision, recall = ranking.curve()
+        curves[str(first + c)] = {"precision": precision, "recall": recall}
+    return curves
 
 
 def average_precision(scores, positives):
     """AP of one class (``scores``: 1-D, ``positives``: 1-D bool), as scikit-learn's; nan
     without positives."""
-    total = int(positives.sum())
-    if total == 0:
-        return math.nan
-    _, tp, fp = _ranked(scores, positives)
-    precision, recall = tp / (tp + fp), tp / total
-    return float(((recall - torch.cat([recall.new_zeros(1), recall[:-1]])) * precision).sum())
+    return float(class_table([scores[:, None]], [positives[:, None]], torch.zeros(1))[0, AP])
 
 
 def best_f1_threshold(scores, positives, default=DEFAULT_THRESHOLD):
     """The threshold t (one of the class's scores) whose "score >= t" has the highest F1 for
     the class; of equal F1s the highest t. ``default`` for a class without positives."""
-    total = int(positives.sum())
-    if total == 0 or len(scores) == 0:
-        return default
-    thresholds, tp, fp = _ranked(scores, positives)
-    f1 = 2 * tp / (2 * tp + fp + (total - tp))
-    return float(thresholds[int(torch.argmax(f1))])  # argmax: the first of equal values, the highest threshold
+    return float(class_table([scores[:, None]], [positives[:, None]], torch.tensor([default]))[0, TUNED])
 
 
-def precision_recall_curve(scores, positives, points=CURVE_POINTS):
-    """(precision, recall) lists of one class over its distinct thresholds, from the highest,
-    thinned to at most ``points`` (the first and last kept)."""
-    _, tp, fp = _ranked(scores, positives)
-    total = max(1, int(positives.sum()))
-    precision, recall = (tp / (tp + fp)), tp / total
-    keep = torch.linspace(0, len(tp) - 1, min(points, len(tp))).round().long().unique()
-    return precision[keep].tolist(), recall[keep].tolist()
+def class_bounds(num_classes, world_size):
+    """Where each rank's share of the classes begins and ends: rank r ranks classes
+    bounds[r] to bounds[r + 1] - 1."""
+    return [num_classes * r // world_size for r in range(world_size + 1)]
 
 
 class MultiLabelResult:
-    """A multi-label validation pass: every image's probabilities (``scores``, N x C) and
-    targets (N x C, 0/1), the ``thresholds`` in use (one per class), the summed BCE and the
-    images left out. Every figure is computed from these, the same at any world size.
+    """A multi-label validation pass, as every figure of it: per class (``table``, see
+    class_table) AP, positives, TP and FP at the ``thresholds`` in use and at the tuned ones;
+    the curves of the classes of lowest AP; the images whose classes are all right
+    (``correct``) of ``total``; the summed BCE and the images left out. The same at any world
+    size. ``from_scores`` computes one in one process.
 
     Precision, recall and F1 per class are those of "probability >= threshold": precision nan
     for a class never predicted, recall nan for a class without positives, F1 = 2 TP / (2 TP +
@@ -129,41 +227,31 @@ class MultiLabelResult:
     balanced_accuracy = None
     confusion = None
 
-    def __init__(self, scores, targets, thresholds=None, loss_sum=math.nan, left_out=0):
-        self.scores = scores.float().cpu()
-        self.targets = targets.cpu() > 0.5
-        classes = self.scores.shape[1]
-        thresholds = [DEFAULT_THRESHOLD] * classes if thresholds is None else list(thresholds)
-        self.thresholds = torch.tensor(thresholds, dtype=torch.float32)
-        self.loss_sum, self.left_out = loss_sum, left_out
+    def __init__(self, table, thresholds, curves, correct, total, loss_sum=math.nan, left_out=0):
+        self.table, self.curves = table, curves
+        self.thresholds = torch.as_tensor(thresholds, dtype=torch.float32)
+        self.correct, self.total, self.loss_sum, self.left_out = correct, total, loss_sum, left_out
+        self.ap = table[:, AP].tolist()
+        self.support = table[:, SUPPORT].long().tolist()
+        self.counts = self._counts(TP, FP)
 
-    @property
-    def total(self):
-        return len(self.scores)
+    @classmethod
+    def from_scores(cls, scores, targets, thresholds=None, loss_sum=math.nan, left_out=0):
+        """The result of every image's probabilities (``scores``, N x C) and 0/1 ``targets``."""
+        scores, targets = scores.float().cpu(), targets.cpu() > 0.5
+        thresholds = torch.tensor(default_thresholds(scores.shape[1], thresholds))
+        table = class_table([scores], [targets], thresholds)
+        correct = int(((scores >= thresholds) == targets).all(dim=1).sum())
+        return cls(table, thresholds, worst_curves([scores], [targets], table), correct, len(scores), loss_sum,
+                   left_out)
+
+    def _counts(self, tp, fp):
+        tp, fp = self.table[:, tp].long(), self.table[:, fp].long()
+        return tp, fp, self.table[:, SUPPORT].long() - tp
 
     @property
     def num_classes(self):
-        return self.scores.shape[1]
-
-    @cached_property
-    def predicted(self):
-        return self.scores >= self.thresholds
-
-    @cached_property
-    def counts(self):
-        """(TP, FP, FN) per class at the thresholds, int64 tensors."""
-        predicted, targets = self.predicted, self.targets
-        return ((predicted & targets).sum(0), (predicted & ~targets).sum(0), (~predicted & targets).sum(0))
-
-    @property
-    def support(self):
-        """Positive validation images of each class."""
-        return self.targets.sum(0).tolist()
-
-    @cached_property
-    def ap(self):
-        """Average precision of each class (nan without positives)."""
-        return [average_precision(self.scores[:, c], self.targets[:, c]) for c in range(self.num_classes)]
+        return len(self.table)
 
     @property
     def map(self):
@@ -217,11 +305,6 @@ class MultiLabelResult:
         return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
 
     @property
-    def correct(self):
-        """Images whose predicted classes are exactly their classes (subset accuracy's hits)."""
-        return int((self.predicted == self.targets).all(dim=1).sum())
-
-    @property
     def accuracy(self):
         """Exact-match (subset) accuracy: the share of images with every class right."""
         return self.correct / max(1, self.total)
@@ -236,26 +319,31 @@ class MultiLabelResult:
         return getattr(self, name)
 
     def tuned_thresholds(self):
-        """Per class, the threshold of the highest F1 on these images (``best_f1_threshold``)."""
-        return [best_f1_threshold(self.scores[:, c], self.targets[:, c], float(self.thresholds[c]))
-                for c in range(self.num_classes)]
+        """Per class, the threshold of the highest F1 on these images (its threshold in use
+        where it has no positives)."""
+        return self.table[:, TUNED].float().tolist()
 
-    def with_thresholds(self, thresholds):
-        """The same images and scores, at other thresholds."""
-        return MultiLabelResult(self.scores, self.targets, thresholds, self.loss_sum, self.left_out)
+    def tuned(self):
+        """The per-class figures at the tuned thresholds (exact match is not counted again:
+        ``correct`` stays that of the thresholds in use)."""
+        tuned = MultiLabelResult(self.table, self.tuned_thresholds(), self.curves, self.correct, self.total,
+                                 self.loss_sum, self.left_out)
+        tuned.counts = self._counts(TUNED_TP, TUNED_FP)
+        return tuned
 
     def report(self, worst=WORST_CURVES):
         """What the run keeps of its best epoch (in the checkpoint): per class AP, support,
         threshold, precision, recall, F1, and the precision-recall curves of the ``worst``
-        classes by AP."""
-        measured = [c for c, ap in enumerate(self.ap) if not math.isnan(ap)]
-        curves = {}
-        for c in sorted(measured, key=lambda c: (self.ap[c], c))[:worst]:
-            precision, recall = precision_recall_curve(self.scores[:, c], self.targets[:, c])
-            curves[str(c)] = {"precision": precision, "recall": recall}
+        classes by AP (at most WORST_CURVES)."""
+        shown = sorted(self.curves, key=lambda c: (self.ap[int(c)], int(c)))[:worst]
         return {"ap": self.ap, "support": self.support, "thresholds": self.thresholds.tolist(),
-                "precision": self.precision, "recall": self.recall, "f1": self.f1, "curves": curves,
-                "map": self.map}
+                "precision": self.precision, "recall": self.recall, "f1": self.f1,
+                "curves": {c: self.curves[c] for c in sorted(shown, key=int)}, "map": self.map}
+
+
+def default_thresholds(num_classes, thresholds=None):
+    """``thresholds`` as a list, or DEFAULT_THRESHOLD for each class."""
+    return [DEFAULT_THRESHOLD] * num_classes if thresholds is None else [float(t) for t in thresholds]
 
 
 def per_class_rows(report, classes):
@@ -364,8 +452,15 @@ class MultiLabel(Task):
     tunes_thresholds = True
     balance_flags = "--class-weights balanced"
 
+    recipe_defaults = {"opt": "adamw", "lr": 0.001}  # see docs/recipe.md: SGD's step shrinks with the classes
+
     def class_weights(self, labels, num_classes):
         return positive_weights(labels)
+
+    def initial_bias(self, labels):
+        """Each class's log-odds in the training ``labels``: the model starts by predicting each
+        class's share of the images, not 0.5 (see prior_log_odds)."""
+        return None if labels is None else prior_log_odds(labels)
 
     def loss(self, class_weights=None, label_smoothing=0.0):
         return MultiLabelLoss(pos_weight=class_weights, label_smoothing=label_smoothing)
@@ -396,7 +491,7 @@ class MultiLabel(Task):
     def keep(self, result):
         """The best epoch's per-class figures, at the thresholds the run keeps (--tune-thresholds:
         each class's best-F1 threshold on this validation pass; else 0.5 each)."""
-        tuned = result.with_thresholds(result.tuned_thresholds()) if self.tune_thresholds else result
+        tuned = result.tuned() if self.tune_thresholds else result
         return {"confusion": None, "report": tuned.report()}
 
     def write_best_files(self, folder, classes, best):
@@ -451,34 +546,49 @@ class MultiLabel(Task):
 
 
 class ScoreTally:
-    """A validation pass's rows on the device: each rank scores its shard (sigmoid
-    probabilities); ``result`` gathers every image's scores and targets from every rank,
-    each image once, and computes the same MultiLabelResult on every rank. Padded rows and
-    images left out (targets -1) are dropped there."""
+    """A validation pass's rows on the device: each rank keeps its shard's probabilities and
+    targets (as bytes), and counts its images whose classes are all right. ``result`` gives
+    each rank its share of the classes with every rank's images (one all-to-all), ranks them
+    once for every per-class figure, and gathers the figures (a few per class): the same
+    MultiLabelResult on every rank. Padded rows and images left out (targets -1) are dropped."""
 
     def __init__(self, num_classes, device, thresholds=None):
+        self.num_classes, self.thresholds = num_classes, torch.tensor(default_thresholds(num_classes, thresholds))
+        self.device_thresholds = self.thresholds.to(device)
         empty = torch.zeros(0, num_classes, device=device)
-        self.num_classes, self.thresholds = num_classes, thresholds
-        self.scores, self.targets = [empty], [empty]  # a first empty block: a rank may have no images
+        self.scores, self.targets = [empty], [empty.byte()]  # a first empty block: a rank may have no images
         self.kept = [torch.zeros(0, dtype=torch.bool, device=device)]
-        self.left_out = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counted = torch.zeros(3, dtype=torch.int64, device=device)  # images, all classes right, left out
         self.loss_sum = loss_accumulator(device)
 
     def add(self, logits, labels, weights):
         keep = (weights > 0) & (labels[:, 0] >= 0)  # LEFT_OUT images have every target -1
-        self.left_out += ((weights > 0) & (labels[:, 0] < 0)).sum()
-        logits, labels = logits.float(), labels.float().clamp(min=0)
-        losses = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(dim=1)
+        logits, targets = logits.float(), labels > 0.5
+        losses = nn.functional.binary_cross_entropy_with_logits(logits, targets.float(), reduction="none").sum(dim=1)
         self.loss_sum += (losses * keep).sum().to(self.loss_sum.dtype)
-        self.scores.append(torch.sigmoid(logits))
-        self.targets.append(labels)
+        scores = torch.sigmoid(logits)
+        right = ((scores >= self.device_thresholds) == targets).all(dim=1)
+        self.counted += torch.stack([keep.sum(), (keep & right).sum(), ((weights > 0) & (labels[:, 0] < 0)).sum()])
+        self.scores.append(scores)
+        self.targets.append(targets.byte())
         self.kept.append(keep)
 
     def result(self):
-        scores, targets, kept = torch.cat(self.scores), torch.cat(self.targets), torch.cat(self.kept)
-        rows = all_gather_rows(torch.cat([scores, targets], dim=1)[kept])  # every image once, from every rank
         all_reduce_sum(self.loss_sum)
-        all_reduce_sum(self.left_out)
-        n = self.num_classes
-        return MultiLabelResult(rows[:, :n], rows[:, n:], self.thresholds, float(self.loss_sum.cpu()),
-                                int(self.left_out.cpu()))
+        total, correct, left_out = all_reduce_sum(self.counted).tolist()
+        scores, targets = self._rows_kept(self.scores), self._rows_kept(self.targets)
+        bounds, rank = class_bounds(self.num_classes, get_world_size()), get_rank()
+        scores, targets = columns_of_every_rank(scores, bounds), columns_of_every_rank(targets, bounds)
+        table = class_table(scores, targets, self.thresholds[bounds[rank]:bounds[rank + 1]])
+        shares = gather_objects((table, worst_curves(scores, targets, table, first=bounds[rank])))
+        curves = {c: curve for _, share in shares for c, curve in share.items()}
+        return MultiLabelResult(torch.cat([table for table, _ in shares]), self.thresholds, curves, correct, total,
+                                float(self.loss_sum.cpu()), left_out)
+
+    def _rows_kept(self, blocks):
+        """``blocks`` without padded rows and images left out, each block's memory freed as
+        its copy is made."""
+        kept = []
+        while blocks:
+            kept.append(blocks.pop(0)[self.kept[len(kept)]])
+        return kept

@@ -209,7 +209,9 @@ def add_recipe_flags(group):
                        help="balanced: weigh each class's loss by n_images / (n_classes x its images)")
     group.add_argument("--sampler", default="shuffle", choices=["shuffle", "balanced"],
                        help="balanced: draw with replacement so that every class is equally likely")
-    group.add_argument("--opt", default="sgd", choices=["sgd", "adamw"], help="SGD with momentum, or AdamW")
+    group.add_argument("--opt", default="sgd", choices=["sgd", "adamw"],
+                       help="SGD with momentum, or AdamW (default: sgd; with --multi-label adamw at --lr 0.001 unless "
+                            "--opt or --lr is given)")
     group.add_argument("--momentum", type=MOMENTUM, default=0.9, help="SGD momentum")
     group.add_argument("--weight-decay", type=NOT_NEGATIVE, default=None,
                        help="weight decay (default: 0.005 for SGD, 0.05 for AdamW)")
@@ -309,13 +311,16 @@ def parse_args(parser, argv=None):
         for key, value in DEMO_DEFAULTS.items():
             if key not in given | taken:
                 setattr(args, key, value)
+    task = make_task(choose_task_name(args))
+    if not set(task.recipe_defaults) & (given | taken):  # --multi-label: AdamW, unless --opt or --lr is given
+        for key, value in task.recipe_defaults.items():
+            setattr(args, key, value)
     if args.eval_only:
         if not args.weights:
             raise UserError("--eval-only needs --weights PATH (e.g. weights/model-best.pth)")
         take_run_settings(args, given)
     if args.weight_decay is None:  # each optimizer's usual value
         args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
-    task = make_task(choose_task_name(args))
     if args.best_metric is None:
         args.best_metric = task.metrics[0]
     check_numbers(args)

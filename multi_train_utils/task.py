@@ -45,6 +45,7 @@ class Task:
     columns = ()  # metrics.csv columns this task adds after the common ones
     tunes_thresholds = False  # whether --tune-thresholds means something to it
     balance_flags = "--sampler balanced or --class-weights balanced"  # what helps an imbalanced training set
+    recipe_defaults = {}  # {dest: value}: this task's recipe, taken whole unless one of its flags is given
 
     def __init__(self, thresholds=None, tune_thresholds=False):
         self.thresholds, self.tune_thresholds = thresholds, tune_thresholds
@@ -57,6 +58,11 @@ class Task:
     def loss(self, class_weights=None, label_smoothing=0.0):
         """The training loss (model.create_loss returns it unless you edit that)."""
         raise NotImplementedError
+
+    def initial_bias(self, labels):
+        """The classifier's starting bias, one value per class, from the training ``labels``
+        (None: no labels, or the model's own initialisation)."""
+        return None
 
     # --- evaluation -----------------------------------------------------------------------------
     def evaluation(self, num_classes, device):

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from multi_train_utils.checkpoint import restore_rng, rng_state
 from multi_train_utils.datasets import images_info
-from multi_train_utils.distributed_utils import (all_gather_rows, all_reduce_sum, broadcast_buffers, get_rank,
-                                                 get_world_size, is_main_process, reduce_value)
+from multi_train_utils.distributed_utils import (all_gather_rows, all_reduce_sum, broadcast_buffers, gather_objects,
+                                                 get_rank, get_world_size, is_main_process, reduce_value)
 from multi_train_utils.errors import MidRunError, Preempted, UserError, notice_received
 from multi_train_utils.images import DeviceNormalizer, IMAGENET_MEAN, IMAGENET_STD
 from multi_train_utils.loaders import MIN_IMAGES_PER_RANK
@@ -491,12 +491,3 @@ def notice_name():
 def agree(ok, device):
     """True on every rank when ``ok`` is true on every rank (one all-reduce on ``device``)."""
     return float(all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=device))) == 0.0
-
-
-def gather_objects(obj):
-    """``obj`` of every rank, in rank order (pickled)."""
-    if get_world_size() < 2:
-        return [obj]
-    parts = [None] * get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts

@@ -81,7 +81,7 @@ def test_average_precision_of_a_table_worked_by_hand():
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_map_and_per_class_ap_equal_the_definition_on_tables_with_ties(seed):
     scores, targets = score_table(seed)
-    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets))
     expected = [ap_by_definition(column(scores, c), column(targets, c)) for c in range(4)]
     assert math.isnan(result.ap[2]) and math.isnan(expected[2])
     for c in (0, 1, 3):
@@ -95,7 +95,7 @@ def test_map_and_per_class_ap_equal_the_definition_on_tables_with_ties(seed):
 def test_f1_precision_recall_and_exact_match_at_the_thresholds_equal_the_counts(seed):
     scores, targets = score_table(seed)
     thresholds = [0.5, 0.3, 0.6, 0.7]
-    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets), thresholds)
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets), thresholds)
     counts = [f1_by_definition(column(scores, c), column(targets, c), t)[1] for c, t in enumerate(thresholds)]
     for c, (tp, fp, fn) in enumerate(counts):
         f1 = 2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else math.nan
@@ -117,7 +117,7 @@ def test_f1_precision_recall_and_exact_match_at_the_thresholds_equal_the_counts(
 @pytest.mark.parametrize("seed", [0, 2, 9])
 def test_the_tuned_threshold_is_the_cut_of_the_best_f1_the_highest_of_equals(seed):
     scores, targets = score_table(seed, images=17)
-    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets))
     tuned = result.tuned_thresholds()
     for c in range(4):
         column_scores, positives = column(scores, c), column(targets, c)
@@ -126,9 +126,33 @@ def test_the_tuned_threshold_is_the_cut_of_the_best_f1_the_highest_of_equals(see
             continue
         best = max(sorted(set(column_scores), reverse=True), key=lambda t: f1_by_definition(column_scores, positives, t)[0])
         assert tuned[c] == pytest.approx(best, abs=1e-7), c  # max(): the first (highest) of equal F1s
+    as_float32 = torch.tensor(scores).tolist()  # the scores as the run holds them: a tuned threshold is one
+    for c, threshold in enumerate(tuned):  # the report at the tuned thresholds counts there
+        tp, fp, fn = f1_by_definition(column(as_float32, c), column(targets, c), threshold)[1]
+        assert [int(counts[c]) for counts in result.tuned().counts] == [tp, fp, fn], c
     # F1 2/3 at 0.9 (1 TP, 1 FN) and at 0.4 (2 TP, 2 FP): the higher threshold
     assert best_f1_threshold(torch.tensor([0.9, 0.6, 0.5, 0.4]), torch.tensor([1, 0, 0, 1]).bool()) == \
         pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_scores_of_any_sign_rank_as_numbers_with_minus_zero_equal_to_zero(seed):
+    """The ranking sorts integer keys made of the scores' bits: negative scores, -0.0 and 0.0
+    (one group of equal scores) rank as the numbers do; AP, the tuned threshold and the
+    counts equal the definitions."""
+    rng = random.Random(seed)
+    values = [-2.5, -1.0, -0.0, 0.0, 1e-30, 0.75, 3.0]
+    scores = [[rng.choice(values) for _ in range(3)] for _ in range(15)]
+    targets = [[int(rng.random() < 0.5) for _ in range(3)] for _ in range(15)]
+    for c in range(3):
+        targets[c][c] = 1
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets), [0.0, -1.0, 0.75])
+    for c, t in enumerate([0.0, -1.0, 0.75]):
+        column_scores, positives = column(scores, c), column(targets, c)
+        assert result.ap[c] == pytest.approx(ap_by_definition(column_scores, positives), abs=1e-12)
+        best = max(sorted(set(column_scores), reverse=True), key=lambda v: f1_by_definition(column_scores, positives, v)[0])
+        assert result.tuned_thresholds()[c] == best and [int(n[c]) for n in result.counts] == \
+            list(f1_by_definition(column_scores, positives, t)[1])
 
 
 def test_the_loss_is_bce_with_positive_weights_and_targets_smoothed_toward_a_half():
@@ -583,7 +607,7 @@ def test_a_resume_restores_the_best_epochs_report_and_thresholds_json_from_the_c
 
     model = torch.nn.Linear(3, 2)
     state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=2)
-    report = MultiLabelResult(torch.tensor([[0.9, 0.2], [0.3, 0.7], [0.6, 0.1]]),
+    report = MultiLabelResult.from_scores(torch.tensor([[0.9, 0.2], [0.3, 0.7], [0.6, 0.1]]),
                               torch.tensor([[1, 0], [0, 1], [1, 0]])).report()
     report["thresholds"] = [0.25, 0.75]
     state.best.value, state.best.epoch, state.best.report = 0.9, 0, report
@@ -669,7 +693,7 @@ def test_every_multi_label_best_metric_is_taken(metric):
 def test_a_class_never_predicted_has_precision_nan_and_is_left_out_of_macro_precision():
     scores = torch.tensor([[0.9, 0.2], [0.8, 0.4], [0.1, 0.3]])
     targets = torch.tensor([[1, 1], [0, 0], [0, 1]])
-    result = MultiLabelResult(scores, targets, [0.5, 0.5])  # class 1 never reaches 0.5
+    result = MultiLabelResult.from_scores(scores, targets, [0.5, 0.5])  # class 1 never reaches 0.5
     assert math.isnan(result.precision[1]) and result.recall[1] == 0.0 and result.f1[1] == 0.0
     assert result.precision[0] == pytest.approx(0.5)
     assert result.macro_precision == pytest.approx(0.5)  # class 1 left out, not counted as 0
@@ -678,7 +702,7 @@ def test_a_class_never_predicted_has_precision_nan_and_is_left_out_of_macro_prec
 
 def test_the_report_keeps_the_curves_of_the_classes_of_lowest_ap_point_by_point():
     scores, targets = score_table(4, images=15)
-    result = MultiLabelResult(torch.tensor(scores), torch.tensor(targets))
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets))
     report = result.report(worst=2)
     measured = sorted((ap, c) for c, ap in enumerate(result.ap) if not math.isnan(ap))
     assert sorted(report["curves"]) == sorted(str(c) for _, c in measured[:2])
@@ -708,7 +732,7 @@ def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_t
     from multi_train_utils.options import task_of
 
     recorder = run_recorder(args, empty, state, task=task_of(args))
-    recorder.end_epoch(0, TrainStats(0.5, 15, 1.0, 0.1, 15.0), MultiLabelResult(torch.tensor(scores), torch.tensor(targets)))
+    recorder.end_epoch(0, TrainStats(0.5, 15, 1.0, 0.1, 15.0), MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets)))
     recorder.finish()  # per_class_metrics.csv: the best epoch at the tuned thresholds
     row = read_metrics(tmp_path / "out")[0]
     tp = fp = fn = 0
@@ -766,3 +790,56 @@ def test_a_report_of_many_classes_lists_the_lowest_ap_first_and_those_without_po
     assert lines[0].startswith("the 10 classes of lowest AP (of 21;")
     assert [line.split()[0] for line in lines[1:]] == [f"class{c}" for c in (15, 3, 12, 18, 7, 1, 20, 9, 0, 2)]
     assert listed_classes(report, classes[:20]) == list(range(20))  # 20 classes: every one
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_multi_label_trains_with_adamw_unless_an_optimizer_or_a_rate_is_given(distributed, tmp_path):
+    """recipe.md: with --multi-label the defaults are AdamW at lr 0.001 (weight decay 0.05),
+    taken whole: a given --opt or --lr keeps the usual defaults for the rest; single-label
+    keeps SGD."""
+    from conftest import parse_flags
+
+    listed = tmp_path / "train.csv"
+    listed.write_text("path,labels\na.png,x y\n")
+    flags = ["--multi-label", "--train-list", str(listed)]
+    got = lambda *more: (lambda a: (a.opt, a.lr, a.weight_decay))(parse_flags(distributed, *flags, *more))
+    assert got() == ("adamw", 0.001, 0.05)
+    assert got("--opt", "sgd") == ("sgd", 0.001, 0.005)
+    assert got("--lr", "0.01") == ("sgd", 0.01, 0.005)
+    assert got("--opt", "adamw", "--weight-decay", "0.1") == ("adamw", 0.001, 0.1)
+    single = parse_flags(distributed, "--train-list", str(listed))
+    assert (single.opt, single.lr, single.weight_decay) == ("sgd", 0.001, 0.005)
+
+
+def test_the_starting_bias_is_each_classs_log_odds_where_the_head_starts_at_random(capsys):
+    """recipe.md: a multi-label model starts with each class's sigmoid at its share of the
+    training images (log-odds, shares kept within 1e-4 and 1 - 1e-4); not where --weights
+    gave the classifier (same classes), nor for --eval-only, nor single-label."""
+    import numpy as np
+
+    from model import create_model
+    from multi_train_utils.model_setup import ModelSpec, build_model
+    from multi_train_utils.options import make_task
+
+    targets = np.zeros((200, 4), dtype=np.uint8)
+    targets[:100, 0], targets[:10, 1], targets[:, 3] = 1, 1, 1  # shares 0.5, 0.05, 0, 1
+    bias = make_task("multi-label").initial_bias(targets)
+    expected = [0.0, math.log(0.05 / 0.95), math.log(1e-4 / (1 - 1e-4)), math.log((1 - 1e-4) / 1e-4)]
+    assert bias.tolist() == pytest.approx(expected, abs=1e-5)
+    spec = ModelSpec(create_model, "resnet18", 4, 64)
+    torch.manual_seed(0)
+    model = build_model(spec, head_bias=bias)
+    assert model.fc.bias.tolist() == pytest.approx(expected, abs=1e-5)
+    assert "classifier bias: 'fc.bias' set to each class's log-odds" in capsys.readouterr().out
+    trained = {k: v + 1 for k, v in model.state_dict().items() if k.startswith("fc.")}
+    loaded = build_model(spec, weights={**model.state_dict(), **trained}, weights_flag="w.pth", head_bias=bias)
+    assert loaded.fc.bias.tolist() == pytest.approx([b + 1 for b in expected], abs=1e-5)  # the file's head kept
+    other = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}  # another class count's head
+    assert build_model(spec, weights=other, weights_flag="w.pth", head_bias=bias).fc.bias.tolist() == \
+        pytest.approx(expected, abs=1e-5)
+    torch.manual_seed(0)
+    plain = build_model(spec).fc.bias
+    torch.manual_seed(0)
+    assert torch.equal(build_model(spec, weights=model.state_dict(), weights_flag="w.pth", eval_only=True,
+                                   head_bias=bias).fc.bias, model.fc.bias)
+    assert make_task("single-label").initial_bias([0, 1, 1]) is None and not torch.equal(plain, model.fc.bias)

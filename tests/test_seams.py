@@ -183,7 +183,10 @@ def test_a_save_inside_the_epoch_keeps_every_ranks_generators_in_rank_order(monk
     and random-generator states": with two ranks, both, rank 0's first."""
     from multi_train_utils.loaders import EpochPosition
 
-    monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: 2)
+    from multi_train_utils import distributed_utils
+
+    for module in (train_eval_utils, distributed_utils):  # gather_objects is distributed_utils'
+        monkeypatch.setattr(module, "get_world_size", lambda: 2)
     monkeypatch.setattr(train_eval_utils, "rng_state", lambda: {"rank": 0})
     monkeypatch.setattr(train_eval_utils.dist, "all_gather_object",
                         lambda parts, obj: parts.__setitem__(slice(None), [obj, {"rank": 1}]))

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -47,6 +48,49 @@ class TwoRanks:
         return rank0.result()
 
 
+class ThreadRanks:
+    """The collectives of a job of ``world`` processes, played by threads of one process (a
+    thread a rank): multi_label's all-reduce, all-to-all of columns and gather of objects meet
+    at a barrier and give each rank what the real ones would."""
+
+    def __init__(self, monkeypatch, world):
+        from multi_train_utils import multi_label
+
+        self.world, self.barrier, self.slots, self.me = world, threading.Barrier(world), [None] * world, threading.local()
+        for name, function in (("get_rank", lambda: self.me.rank), ("get_world_size", lambda: world),
+                               ("all_reduce_sum", self.all_reduce_sum), ("gather_objects", self.share),
+                               ("columns_of_every_rank", self.columns)):
+            monkeypatch.setattr(multi_label, name, function)
+
+    def share(self, value):
+        self.slots[self.me.rank] = value
+        self.barrier.wait()
+        everyone = list(self.slots)
+        self.barrier.wait()
+        return everyone
+
+    def all_reduce_sum(self, tensor):
+        return tensor.copy_(sum(self.share(tensor.clone())))
+
+    def columns(self, blocks, bounds):
+        lo, hi = bounds[self.me.rank], bounds[self.me.rank + 1]
+        return [rows[:, lo:hi] for rows in self.share(torch.cat(blocks))]
+
+    def results(self, tallies):
+        out = [None] * self.world
+
+        def run(rank):
+            self.me.rank = rank
+            out[rank] = tallies[rank].result()
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(self.world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        return out
+
+
 def batches(num_classes, multi_hot=False, seed=0):
     """Four batches of (logits, labels, weights): the last one padded (2 rows of weight 0), one
     image left out (label -1)."""
@@ -84,7 +128,10 @@ def test_each_ranks_tally_is_combined_exactly_loss_included(monkeypatch, kind):
     shards = [task.evaluation(classes, torch.device("cpu")) for _ in range(2)]
     for i, batch in enumerate(data):
         shards[i % 2].add(*batch)
-    combined = TwoRanks(monkeypatch, single_label, multi_label).result(*shards)
+    if kind == "single-label":
+        combined = TwoRanks(monkeypatch, single_label).result(*shards)
+    else:
+        combined = ThreadRanks(monkeypatch, 2).results(shards)[0]
     kept = [(logits[w > 0], labels[w > 0]) for logits, labels, w in data]
     logits = torch.cat([lo for lo, la in kept])
     labels = torch.cat([la for lo, la in kept])
@@ -99,6 +146,49 @@ def test_each_ranks_tally_is_combined_exactly_loss_included(monkeypatch, kind):
         assert combined.loss_sum == pytest.approx(float(loss), rel=1e-6)
         assert combined.map == pytest.approx(expected.map, abs=1e-12) and combined.left_out == 1
     assert combined.total == expected.total == 13 and combined.loss == pytest.approx(expected.loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_every_multi_label_figure_is_the_same_with_the_classes_split_across_ranks(monkeypatch, world):
+    """multi-label.md: each rank ranks its share of the classes and the figures are gathered:
+    at world 2, 3 and 5 (more ranks than some shares have classes: 4 classes) every rank's
+    result holds the figures of one process over every image, to 1e-12: AP, counts, tuned
+    thresholds, curves, exact match; and those equal the definitions computed here."""
+    from multi_train_utils.multi_label import MultiLabelResult
+    from multi_train_utils.options import make_task
+
+    task, classes = make_task("multi-label"), 4
+    generator = torch.Generator().manual_seed(world)
+    data = []
+    for b in range(5):
+        logits = torch.randint(-3, 4, (6, classes), generator=generator).float() / 2  # ties within a class
+        labels = (torch.rand(6, classes, generator=generator) > 0.6).float()
+        weights = torch.ones(6, dtype=torch.int64)
+        weights[5:] = 0 if b == 4 else 1
+        data.append((logits, labels, weights))
+    data[2][1][0] = -1  # an image left out
+    shards = [task.evaluation(classes, torch.device("cpu")) for _ in range(world)]
+    for i, batch in enumerate(data):
+        shards[i % world].add(*batch)  # at world 5 each rank one batch; more ranks than classes at 5
+    results = ThreadRanks(monkeypatch, world).results(shards)
+    kept = torch.cat([(w > 0) & (la[:, 0] >= 0) for _, la, w in data])
+    scores = torch.sigmoid(torch.cat([lo for lo, _, _ in data]))[kept]
+    targets = torch.cat([la for _, la, _ in data])[kept]
+    whole = MultiLabelResult.from_scores(scores, targets)
+    exact = int(((scores >= 0.5) == (targets > 0.5)).all(dim=1).sum())
+    for result in results:
+        assert (result.total, result.correct, result.left_out) == (28, exact, 1) == (whole.total, whole.correct, 1)
+        assert result.ap == pytest.approx(whole.ap, abs=1e-12, nan_ok=True)
+        assert result.tuned_thresholds() == whole.tuned_thresholds()
+        assert [c.tolist() for c in result.counts] == [c.tolist() for c in whole.counts]
+        assert [c.tolist() for c in result.tuned().counts] == [c.tolist() for c in whole.tuned().counts]
+        assert str(result.report()) == str(whole.report())  # str: nan equals nan
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.cat([lo for lo, _, _ in data])[kept], targets,
+                                                                   reduction="sum")
+        assert result.loss_sum == pytest.approx(float(bce), rel=1e-6)  # float32 terms
+    for c in range(classes):  # TP at 0.5 counted here
+        predicted, positive = scores[:, c] >= 0.5, targets[:, c] > 0.5
+        assert int(whole.counts[0][c]) == int((predicted & positive).sum())
 
 
 class Figures:
@@ -150,8 +240,8 @@ def test_the_best_epoch_keeps_the_figures_of_the_weights_it_keeps(tmp_path, kind
         model, ema = EvalResult(torch.tensor([[2, 2], [2, 2]])), EvalResult(torch.tensor([[4, 0], [1, 3]]))
     else:
         targets = torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]])
-        model = MultiLabelResult(torch.tensor([[0.4, 0.6], [0.6, 0.4], [0.4, 0.4], [0.6, 0.6]]), targets)
-        ema = MultiLabelResult(torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.7, 0.6], [0.1, 0.2]]), targets)
+        model = MultiLabelResult.from_scores(torch.tensor([[0.4, 0.6], [0.6, 0.4], [0.4, 0.4], [0.6, 0.6]]), targets)
+        ema = MultiLabelResult.from_scores(torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.7, 0.6], [0.1, 0.2]]), targets)
     recorder.end_epoch(0, None, model, ema)
     best = recorder.state.best
     assert best.source == "ema" and best.accuracy == ema.accuracy > model.accuracy
