@@ -714,6 +714,10 @@ def test_the_report_keeps_the_curves_of_the_classes_of_lowest_ap_point_by_point(
             points.append((tp / (tp + fp), tp / (tp + fn)))
         assert curve["precision"] == pytest.approx([p for p, _ in points])
         assert curve["recall"] == pytest.approx([r for _, r in points])
+    scores, targets = score_table(6, images=30, classes=11)  # more classes than the 6 curves kept
+    result = MultiLabelResult.from_scores(torch.tensor(scores), torch.tensor(targets))
+    lowest = sorted((ap, c) for c, ap in enumerate(result.ap) if not math.isnan(ap))[:6]
+    assert sorted(result.report()["curves"], key=int) == [str(c) for c in sorted(c for _, c in lowest)]
 
 
 def test_metrics_csv_holds_the_figures_at_a_half_while_the_run_keeps_the_tuned_thresholds(tmp_path):
