@@ -50,6 +50,8 @@ import time
 from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -68,6 +70,7 @@ from multi_train_utils.images import IMAGENET_MEAN, IMAGENET_STD, load_rgb
 from multi_train_utils.loaders import EpochBatchSampler, EpochPosition, SeededSamples, make_loader, stack_batch
 from multi_train_utils.model_setup import (ModelSpec, check_input_size, choose_precision, configure_backends,
                                            optimize_model, plain_state_dict)
+from multi_train_utils.multi_label import MultiLabel
 from multi_train_utils.options import given_on_command_line
 from multi_train_utils.run_files import read_metrics
 from multi_train_utils.train_eval_utils import LoopSettings, WARMUP_STEPS, train_one_epoch
@@ -627,29 +630,26 @@ def report_save_cost(args):
 EVAL_BATCH = 256  # images a generated validation batch
 
 
-def eval_batch(index, classes):
-    """Generated batch ``index`` of (logits, labels, weights), from its own seed (the same
-    images at any world size): each class positive in 0.5-20 % of the images, its logits 2
-    higher on its positives."""
+def eval_batch(index, classes, images=EVAL_BATCH * (1 << 40)):
+    """Generated batch ``index`` of (logits, labels, weights) of a pass over ``images``, from
+    its own seed (the same images at any world size): each class positive in 0.5-20 % of the
+    images, its logits 2 higher on its positives; the last batch holds what is left."""
+    size = min(EVAL_BATCH, images - index * EVAL_BATCH)
     generator = torch.Generator().manual_seed(index)
-    labels = (torch.rand(EVAL_BATCH, classes, generator=generator) < torch.linspace(0.005, 0.2, classes)).float()
-    logits = torch.randn(EVAL_BATCH, classes, generator=generator) + 2 * labels - 2
-    return logits, labels, torch.ones(EVAL_BATCH, dtype=torch.int64)
+    labels = (torch.rand(size, classes, generator=generator) < torch.linspace(0.005, 0.2, classes)).float()
+    logits = torch.randn(size, classes, generator=generator) + 2 * labels - 2
+    return logits, labels, torch.ones(size, dtype=torch.int64)
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def memory_bytes(field):
+    """This process's resident memory now (VmRSS) or at its highest (VmHWM), from Linux's /proc."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def eval_pass(rank, world, port, images, classes, folder):
     """One rank's pass: batches rank, rank + world, ... through the multi-label tally, then its
     result and the figures an epoch reads; its seconds and peak memory growth to ``folder``."""
-    import resource
-
-    import torch.distributed as dist
-    from multi_train_utils.multi_label import MultiLabel
-
     torch.set_num_threads(1)  # as torchrun gives each rank of a 2-core machine
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -660,10 +660,10 @@ def eval_pass(rank, world, port, images, classes, folder):
         warm.add(*batch)
     task.keep(warm.result())
     del warm, batches
-    before, seconds = rss_bytes(), 0.0
+    before, seconds = memory_bytes("VmRSS"), 0.0
     tally = task.evaluation(classes, torch.device("cpu"))
     for index in range(rank, math.ceil(images / EVAL_BATCH), world):
-        batch = eval_batch(index, classes)  # made outside the timer
+        batch = eval_batch(index, classes, images)  # made outside the timer
         start = time.perf_counter()
         tally.add(*batch)
         seconds += time.perf_counter() - start
@@ -671,7 +671,7 @@ def eval_pass(rank, world, port, images, classes, folder):
     result = tally.result()
     cells, kept = task.cells(result), task.keep(result)
     seconds += time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = memory_bytes("VmHWM") - before
     with open(os.path.join(folder, f"{rank}.json"), "w") as f:
         json.dump({"seconds": seconds, "peak_bytes": peak, "map": result.map, "micro_f1": result.micro_f1,
                    "images": result.total, "tuned_map": kept["report"]["map"], "cells": cells}, f)
@@ -681,8 +681,6 @@ def eval_pass(rank, world, port, images, classes, folder):
 
 def eval_rows(images, classes, processes):
     """One row per process count: the pass's seconds (slowest rank), peak growth (largest), mAP."""
-    import torch.multiprocessing as mp
-
     rows = []
     for world in processes:
         with tempfile.TemporaryDirectory() as folder:

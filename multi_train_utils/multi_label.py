@@ -227,7 +227,7 @@ class MultiLabelResult:
     balanced_accuracy = None
     confusion = None
 
-    def __init__(self, table, thresholds, curves, correct, total, loss_sum=math.nan, left_out=0):
+    def __init__(self, table, thresholds, curves, *, correct, total, loss_sum=math.nan, left_out=0):
         self.table, self.curves = table, curves
         self.thresholds = torch.as_tensor(thresholds, dtype=torch.float32)
         self.correct, self.total, self.loss_sum, self.left_out = correct, total, loss_sum, left_out
@@ -242,8 +242,8 @@ class MultiLabelResult:
         thresholds = torch.tensor(default_thresholds(scores.shape[1], thresholds))
         table = class_table([scores], [targets], thresholds)
         correct = int(((scores >= thresholds) == targets).all(dim=1).sum())
-        return cls(table, thresholds, worst_curves([scores], [targets], table), correct, len(scores), loss_sum,
-                   left_out)
+        return cls(table, thresholds, worst_curves([scores], [targets], table), correct=correct, total=len(scores),
+                   loss_sum=loss_sum, left_out=left_out)
 
     def _counts(self, tp, fp):
         tp, fp = self.table[:, tp].long(), self.table[:, fp].long()
@@ -326,8 +326,8 @@ class MultiLabelResult:
     def tuned(self):
         """The per-class figures at the tuned thresholds (exact match is not counted again:
         ``correct`` stays that of the thresholds in use)."""
-        tuned = MultiLabelResult(self.table, self.tuned_thresholds(), self.curves, self.correct, self.total,
-                                 self.loss_sum, self.left_out)
+        tuned = MultiLabelResult(self.table, self.tuned_thresholds(), self.curves, correct=self.correct,
+                                 total=self.total, loss_sum=self.loss_sum, left_out=self.left_out)
         tuned.counts = self._counts(TUNED_TP, TUNED_FP)
         return tuned
 
@@ -582,8 +582,8 @@ class ScoreTally:
         table = class_table(scores, targets, self.thresholds[bounds[rank]:bounds[rank + 1]])
         shares = gather_objects((table, worst_curves(scores, targets, table, first=bounds[rank])))
         curves = {c: curve for _, share in shares for c, curve in share.items()}
-        return MultiLabelResult(torch.cat([table for table, _ in shares]), self.thresholds, curves, correct, total,
-                                float(self.loss_sum.cpu()), left_out)
+        return MultiLabelResult(torch.cat([table for table, _ in shares]), self.thresholds, curves, correct=correct,
+                                total=total, loss_sum=float(self.loss_sum.cpu()), left_out=left_out)
 
     def _rows_kept(self, blocks):
         """``blocks`` without padded rows and images left out, each block's memory freed as

@@ -472,3 +472,28 @@ def test_spawn_starts_n_local_ranks_of_one_job_on_a_free_port_of_127_0_0_1(monke
     assert {n: os.environ[n] for n in names} == dict(RANK="2", WORLD_SIZE="3", LOCAL_RANK="2", LOCAL_WORLD_SIZE="3",
                                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     assert ran == [(main, ["--epochs", "1"])]
+
+
+# --- benchmark.py --multi-label-eval ----------------------------------------------------------------
+
+def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path):
+    """performance.md: --multi-label-eval IMAGESxCLASSES times one pass of that many generated
+    images (the last batch holds what is left) through the multi-label tally; its mAP is that
+    of those images' scores, computed here (one process, in this one)."""
+    import json
+
+    import benchmark
+    from multi_train_utils.multi_label import MultiLabelResult
+
+    threads = torch.get_num_threads()
+    try:
+        benchmark.eval_pass(0, 1, 0, 600, 7, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)  # the pass takes one thread, as a rank of torchrun would
+    row = json.loads((tmp_path / "0.json").read_text())
+    batches = [benchmark.eval_batch(i, 7, 600) for i in range(3)]
+    scores = torch.sigmoid(torch.cat([logits for logits, _, _ in batches]))
+    targets = torch.cat([labels for _, labels, _ in batches])
+    assert row["images"] == len(scores) == 600 and row["seconds"] > 0
+    assert row["map"] == pytest.approx(MultiLabelResult.from_scores(scores, targets).map, abs=1e-12)
+    assert benchmark.get_args_parser().parse_args(["--multi-label-eval", "125000x600"]).multi_label_eval == [125000, 600]
