@@ -311,14 +311,14 @@ def parse_args(parser, argv=None):
         for key, value in DEMO_DEFAULTS.items():
             if key not in given | taken:
                 setattr(args, key, value)
-    task = make_task(choose_task_name(args))
-    if not set(task.recipe_defaults) & (given | taken):  # --multi-label: AdamW, unless --opt or --lr is given
-        for key, value in task.recipe_defaults.items():
-            setattr(args, key, value)
     if args.eval_only:
         if not args.weights:
             raise UserError("--eval-only needs --weights PATH (e.g. weights/model-best.pth)")
         take_run_settings(args, given)
+    task = make_task(choose_task_name(args))  # after the run's settings: --eval-only takes its task
+    if not set(task.recipe_defaults) & (given | taken):  # --multi-label: AdamW, unless --opt or --lr is given
+        for key, value in task.recipe_defaults.items():
+            setattr(args, key, value)
     if args.weight_decay is None:  # each optimizer's usual value
         args.weight_decay = 0.05 if args.opt == "adamw" else 0.005
     if args.best_metric is None:

@@ -497,3 +497,24 @@ def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path
     assert row["images"] == len(scores) == 600 and row["seconds"] > 0
     assert row["map"] == pytest.approx(MultiLabelResult.from_scores(scores, targets).map, abs=1e-12)
     assert benchmark.get_args_parser().parse_args(["--multi-label-eval", "125000x600"]).multi_label_eval == [125000, 600]
+
+
+def test_the_multi_label_eval_row_is_the_slowest_rank_and_the_largest_peak(monkeypatch):
+    """performance.md: "Seconds: the slowest rank; peak: each rank's highest memory growth" (the
+    row's peak is the largest of them), and the row says whether every rank's figures agree."""
+    import json
+    import os
+
+    import benchmark
+
+    def spawn(function, args, nprocs):
+        folder = args[-1]
+        for rank, (seconds, peak) in enumerate([(1.5, 900), (2.5, 300), (2.0, 1200)][:nprocs]):
+            with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+                json.dump({"seconds": seconds, "peak_bytes": peak, "map": 0.5, "micro_f1": 0.25, "images": 10,
+                           "cells": {"val_map": "0.5" if rank < 2 else "0.4"}}, f)
+
+    monkeypatch.setattr(benchmark.mp, "spawn", spawn)
+    two, three = benchmark.eval_rows(10, 3, [2, 3])
+    assert (two["seconds"], two["peak_bytes"], two["same_on_every_rank"]) == (2.5, 900, True)
+    assert (three["seconds"], three["peak_bytes"], three["same_on_every_rank"]) == (2.5, 1200, False)

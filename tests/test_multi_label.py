@@ -584,6 +584,17 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
     assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
 
 
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_both_scripts_start_the_classifier_at_the_training_lists_log_odds(kind, straight, lists):
+    """recipe.md: the starting bias is the log-odds of each class's share of the training
+    images (zebra: on 6 of 24 training images, on no validation one), in both scripts."""
+    _, result = straight(kind)
+    shares = [sum(name in labels for _, labels in lists["rows"]["train"]) / 24 for name in CLASSES]
+    odds = [math.log(p / (1 - p)) for p in shares]
+    assert f"classifier bias: 'fc.bias' set to each class's log-odds in the training labels ({min(odds):.2f} to " \
+           f"{max(odds):.2f})" in result.stdout
+
+
 def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(straight, lists, tmp_path):
     out, _ = straight("ddp")
     other = bad_list(lists["root"], "other.csv", "path,labels\nimg/train 1.png,red\nimg/train 2.png,blue green\n")
@@ -813,6 +824,10 @@ def test_multi_label_trains_with_adamw_unless_an_optimizer_or_a_rate_is_given(di
     assert got("--opt", "adamw", "--weight-decay", "0.1") == ("adamw", 0.001, 0.1)
     single = parse_flags(distributed, "--train-list", str(listed))
     assert (single.opt, single.lr, single.weight_decay) == ("sgd", 0.001, 0.005)
+    from multi_train_utils.options import get_args_parser
+
+    opt = next(a for a in get_args_parser(distributed)._actions if a.dest == "opt")
+    assert "with --multi-label adamw at --lr 0.001 unless --opt or --lr is given" in " ".join(opt.help.split())
 
 
 def test_the_starting_bias_is_each_classs_log_odds_where_the_head_starts_at_random(capsys):
@@ -844,6 +859,26 @@ def test_the_starting_bias_is_each_classs_log_odds_where_the_head_starts_at_rand
     torch.manual_seed(0)
     plain = build_model(spec).fc.bias
     torch.manual_seed(0)
-    assert torch.equal(build_model(spec, weights=model.state_dict(), weights_flag="w.pth", eval_only=True,
-                                   head_bias=bias).fc.bias, model.fc.bias)
+    evaluated = {**model.state_dict(), **trained}  # a head unlike the priors
+    assert torch.equal(build_model(spec, weights=evaluated, weights_flag="w.pth", eval_only=True,
+                                   head_bias=bias).fc.bias, evaluated["fc.bias"])
     assert make_task("single-label").initial_bias([0, 1, 1]) is None and not torch.equal(plain, model.fc.bias)
+
+
+def test_eval_only_of_a_multi_label_run_takes_its_task_before_its_flags_are_checked(tmp_path):
+    """multi-label.md: "--eval-only uses the run's thresholds.json" and its task: on the weights
+    of a multi-label run, without --multi-label typed, the flags are those of a multi-label run:
+    --best-metric map is taken, and the default best metric is map."""
+    from conftest import parse_flags
+    from multi_train_utils.options import args_to_dict
+
+    listed = tmp_path / "train.csv"
+    listed.write_text("path,labels\na.png,x y\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ran = full_flags(multi_label=True, task="multi-label", train_list=str(listed), best_metric="map", opt="adamw")
+    (run_dir / "args.json").write_text(json.dumps(args_to_dict(ran)))
+    weights = str(run_dir / "model-best.pth")
+    assert parse_flags(False, "--eval-only", "--weights", weights, "--best-metric", "map").best_metric == "map"
+    args = parse_flags(True, "--eval-only", "--weights", weights)
+    assert (args.multi_label, args.best_metric) == (True, "map")

@@ -148,6 +148,33 @@ def test_each_ranks_tally_is_combined_exactly_loss_included(monkeypatch, kind):
     assert combined.total == expected.total == 13 and combined.loss == pytest.approx(expected.loss, rel=1e-6)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_class_is_counted_at_its_own_threshold_across_ranks_and_chunks(monkeypatch, world):
+    """multi-label.md: --eval-only "uses the run's thresholds.json" and each rank "takes every
+    per-class figure", the counts "at the thresholds in use" among them: with a threshold of
+    its own for each of 5 classes, split across ranks and ranked one class a chunk, every
+    class's TP and FP and the exact matches are those of its threshold, counted here."""
+    from multi_train_utils import multi_label
+    from multi_train_utils.options import make_task
+
+    monkeypatch.setattr(multi_label, "CHUNK", 1)  # one class a chunk: a table of several chunks
+    thresholds, classes = [0.2, 0.45, 0.5, 0.7, 0.9], 5
+    task = type(make_task("multi-label"))(thresholds)
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(18, classes, generator=generator)
+    labels = (torch.rand(18, classes, generator=generator) > 0.5).float()
+    shards = [task.evaluation(classes, torch.device("cpu")) for _ in range(world)]
+    for i in range(0, 18, 3):
+        shards[(i // 3) % world].add(logits[i:i + 3], labels[i:i + 3], torch.ones(3, dtype=torch.int64))
+    scores, positives = torch.sigmoid(logits), labels > 0.5
+    predicted = scores >= torch.tensor(thresholds)
+    for result in ThreadRanks(monkeypatch, world).results(shards):
+        assert result.thresholds.tolist() == pytest.approx(thresholds)
+        assert result.counts[0].tolist() == (predicted & positives).sum(dim=0).tolist()
+        assert result.counts[1].tolist() == (predicted & ~positives).sum(dim=0).tolist()
+        assert result.correct == int((predicted == positives).all(dim=1).sum())
+
+
 @pytest.mark.parametrize("world", [2, 3, 5])
 def test_every_multi_label_figure_is_the_same_with_the_classes_split_across_ranks(monkeypatch, world):
     """multi-label.md: each rank ranks its share of the classes and the figures are gathered:

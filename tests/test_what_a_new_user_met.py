@@ -266,3 +266,14 @@ def test_a_setting_that_a_script_lacks_stops_it_at_the_start(monkeypatch):
     monkeypatch.setattr(options, "SINGLE_PROCESS_SETTINGS", lacking)
     with pytest.raises(RuntimeError, match=r"the flags lack the settings \['sync_bn'\]"):
         options.parse_args(options.get_args_parser(False), [])
+
+
+def test_an_epoch_that_trains_every_image_or_more_says_nothing_of_images_left_out():
+    """outputs.md: the batch line says how many training images an epoch trains only "where
+    each process's last partial batch is left out": 5 images, batch 3, 2 processes train 6 a
+    epoch (the sampler repeats one to give each process 3), so nothing is said; 7 at batch 3
+    on 1 process train 6 of 7."""
+    from multi_train_utils.recorder import images_left_out
+
+    assert images_left_out(5, 3, 2) == "" and images_left_out(6, 3, 2) == "" and images_left_out(6, 3, 1) == ""
+    assert images_left_out(7, 3, 1).startswith("; 6 of 7 training images an epoch")
