@@ -50,9 +50,8 @@ def positive_weights(targets, cap=POS_WEIGHT_CAP):
 def prior_log_odds(targets, floor=PRIOR_FLOOR):
     """Per class, log(p / (1 - p)) of p its share of the training ``targets`` (images x
     classes), p kept within ``floor`` and 1 - ``floor``: a float32 tensor. As the classifier's
-    starting bias, each class's first sigmoid is its prior, so the first steps are not spent
-    pushing every logit of a rare class down (the negatives of 1,000 classes at 0.5 each would
-    swamp the positives' gradient)."""
+    starting bias, each class's first sigmoid is its prior rather than 0.5 (docs/recipe.md has
+    what it did on two data sets)."""
     share = torch.as_tensor(np.asarray(targets), dtype=torch.float64).mean(dim=0).clamp(floor, 1 - floor)
     return torch.log(share / (1 - share)).float()
 
