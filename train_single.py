@@ -20,7 +20,7 @@ from multi_train_utils.errors import install_stop_handlers, run_cli
 from multi_train_utils.files import RunLog
 from multi_train_utils.loaders import make_batch_mixer
 from multi_train_utils.loaders import (EpochBatchSampler, SeededSamples, ShardSampler, loss_class_weights, make_loader,
-                                       make_train_sampler, seed_epoch, training_labels)
+                                       make_train_sampler, seed_epoch)
 from multi_train_utils.model_setup import (ModelSpec, build_model, choose_precision, configure_backends, make_model_ema,
                                            optimize_model)
 from multi_train_utils.options import config_of, get_args_parser, parse_args, task_of
@@ -62,8 +62,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     spec = ModelSpec(create_model, args.model, num_classes, args.img_size, data.channels)
     model = build_model(spec, device, weights_state, weights_flag=args.weights, eval_only=args.eval_only,
-                        freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn,
-                        head_bias=task.initial_bias(training_labels(train_set)))  # multi-label: class priors
+                        freeze_layers=args.freeze_layers, batch_size=args.batch_size, sync_bn=args.sync_bn)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])  # resume: the weights of the last finished epoch
     model, channels_last = optimize_model(model, config.speed, device, precision, model_name=config.recipe.model,

@@ -167,36 +167,6 @@ def head_name(model):
     return names[-1]
 
 
-def classifier_layer(model, num_classes):
-    """(name, module) of the last Linear or convolution with ``num_classes`` outputs and a bias:
-    the layer whose outputs are the logits; None if the model has none."""
-    found = [(name, module) for name, module in model.named_modules()
-             if isinstance(module, (nn.Linear, nn.Conv2d)) and module.bias is not None
-             and (getattr(module, "out_features", None) or getattr(module, "out_channels", None)) == num_classes]
-    return found[-1] if found else None
-
-
-def bias_of_classifier(model, bias, not_loaded):
-    """Whether the classifier's bias was left at random init by --weights (``not_loaded``)."""
-    layer = classifier_layer(model, len(bias)) if bias is not None else None
-    return layer is not None and f"{layer[0]}.bias" in not_loaded
-
-
-def set_classifier_bias(model, bias, verbose=True):
-    """The classifier's bias set to ``bias`` (one per class); where the model has no such
-    layer, a line says so and the model keeps its own."""
-    layer = classifier_layer(model, len(bias))
-    if layer is None:
-        if verbose:
-            print(f"classifier bias: no last layer of {len(bias)} outputs with a bias; the model's own init is kept")
-        return
-    with torch.no_grad():
-        layer[1].bias.copy_(bias.reshape(layer[1].bias.shape))
-    if verbose:
-        print(f"classifier bias: '{layer[0]}.bias' set to each class's log-odds in the training labels "
-              f"({float(bias.min()):.2f} to {float(bias.max()):.2f})")
-
-
 def freeze_all_but_head(model):
     """Train only the classifier head; return its name. Frozen BatchNorm stays in eval mode
     (see ``set_train_mode``)."""
@@ -327,9 +297,6 @@ def build_model(spec, device=None, weights=None, weights_flag=None, eval_only=Fa
             if verbose:
                 print(f"weights: loaded {len(weights) - len(skipped)} tensors from {weights_flag}; "
                       f"skipped {skipped or 'none'}; left at random init {not_loaded or 'none'}")
-            head_bias = head_bias if bias_of_classifier(model, head_bias, not_loaded) else None
-    if head_bias is not None and not eval_only:
-        set_classifier_bias(model, head_bias, verbose)
     if freeze_layers:
         head = freeze_all_but_head(model)
         if verbose:

@@ -28,7 +28,6 @@ from multi_train_utils.task import MAX_CLASSES_LISTED, WORST_SHOWN, Task, nanmea
 # --class-weights balanced: each class's positive weight is its negatives / positives, at most
 # this (a class in 1 of 10,000 images would otherwise weigh its positives 9,999 times).
 POS_WEIGHT_CAP = 100.0
-PRIOR_FLOOR = 1e-4  # the rarest share a class's starting bias stands for (log-odds -9.2)
 DEFAULT_THRESHOLD = 0.5  # a class is predicted when its probability is at least its threshold
 CURVE_POINTS = 256  # points kept of each precision-recall curve drawn at the end
 WORST_CURVES = 6  # classes of lowest AP whose precision-recall curves are drawn
@@ -45,15 +44,6 @@ def positive_weights(targets, cap=POS_WEIGHT_CAP):
     negatives = len(targets) - positives
     weights = [min(n / p, cap) if p and n else 1.0 for p, n in zip(positives.tolist(), negatives.tolist())]
     return torch.tensor(weights, dtype=torch.float32)
-
-
-def prior_log_odds(targets, floor=PRIOR_FLOOR):
-    """Per class, log(p / (1 - p)) of p its share of the training ``targets`` (images x
-    classes), p kept within ``floor`` and 1 - ``floor``: a float32 tensor. As the classifier's
-    starting bias, each class's first sigmoid is its prior rather than 0.5 (docs/recipe.md has
-    what it did on two data sets)."""
-    share = torch.as_tensor(np.asarray(targets), dtype=torch.float64).mean(dim=0).clamp(floor, 1 - floor)
-    return torch.log(share / (1 - share)).float()
 
 
 def smoothed(targets, label_smoothing):
@@ -455,11 +445,6 @@ class MultiLabel(Task):
 
     def class_weights(self, labels, num_classes):
         return positive_weights(labels)
-
-    def initial_bias(self, labels):
-        """Each class's log-odds in the training ``labels``: the model starts by predicting each
-        class's share of the images, not 0.5 (see prior_log_odds)."""
-        return None if labels is None else prior_log_odds(labels)
 
     def loss(self, class_weights=None, label_smoothing=0.0):
         return MultiLabelLoss(pos_weight=class_weights, label_smoothing=label_smoothing)

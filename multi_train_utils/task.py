@@ -59,11 +59,6 @@ class Task:
         """The training loss (model.create_loss returns it unless you edit that)."""
         raise NotImplementedError
 
-    def initial_bias(self, labels):
-        """The classifier's starting bias, one value per class, from the training ``labels``
-        (None: no labels, or the model's own initialisation)."""
-        return None
-
     # --- evaluation -----------------------------------------------------------------------------
     def evaluation(self, num_classes, device):
         """A tally for one validation pass: ``add(logits, labels, weights)`` per batch on every

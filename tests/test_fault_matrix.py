@@ -81,8 +81,8 @@ def expected_codes(launcher, kind, point):
 
 def command(launcher, tiny_data, out, *extra):
     flags = train_args(tiny_data, out, *RECIPE, "--resume", "auto", *extra)
-    if launcher == "single":
-        return [PYTHON, PROBE, "single", *flags]
+    if launcher == "single":  # one thread: two chains run side by side on 2 cores (see single_chains)
+        return [PYTHON, PROBE, "single", *flags, "--threads", "1"]
     return [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=0", *torchrun_passing_sigusr1()[0],
             "--master_port", str(free_port()), PROBE, "multi", *flags]
 
@@ -170,10 +170,31 @@ def run_chain(launcher, chain, tiny_data, tmp_path):
     return out
 
 
+@pytest.fixture(scope="module")
+def single_chains(tiny_data, tmp_path_factory, straight):
+    """The 4 chains of one process, two at a time (a one-thread run leaves a core idle): for
+    each, its output folder or the exception that ended it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    straight("single")  # made first, alone: the chains compare with it
+
+    def chain_or_error(chain):
+        try:
+            return run_chain("single", chain, tiny_data, tmp_path_factory.mktemp(f"chain-{chain}"))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the chain's own test)
+            return e
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(chain_or_error, range(4)))
+
+
 @pytest.mark.parametrize("chain", range(4))
 def test_one_process_stopped_at_every_point_by_every_kind_resumes_to_the_uninterrupted_run(
-        tiny_data, tmp_path, straight, chain):
-    assert_same_run(run_chain("single", chain, tiny_data, tmp_path), straight("single"))
+        straight, single_chains, chain):
+    ended = single_chains[chain]
+    if isinstance(ended, BaseException):
+        raise ended
+    assert_same_run(ended, straight("single"))
 
 
 # chain 3 by default: SIGTERM inside epoch 0, SIGUSR1 at its last step, SIGKILL during validation, Ctrl-C

@@ -584,17 +584,6 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
     assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
 
 
-@pytest.mark.parametrize("kind", ["single", "ddp"])
-def test_both_scripts_start_the_classifier_at_the_training_lists_log_odds(kind, straight, lists):
-    """recipe.md: the starting bias is the log-odds of each class's share of the training
-    images (zebra: on 6 of 24 training images, on no validation one), in both scripts."""
-    _, result = straight(kind)
-    shares = [sum(name in labels for _, labels in lists["rows"]["train"]) / 24 for name in CLASSES]
-    odds = [math.log(p / (1 - p)) for p in shares]
-    assert f"classifier bias: 'fc.bias' set to each class's log-odds in the training labels ({min(odds):.2f} to " \
-           f"{max(odds):.2f})" in result.stdout
-
-
 def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(straight, lists, tmp_path):
     out, _ = straight("ddp")
     other = bad_list(lists["root"], "other.csv", "path,labels\nimg/train 1.png,red\nimg/train 2.png,blue green\n")
@@ -828,41 +817,6 @@ def test_multi_label_trains_with_adamw_unless_an_optimizer_or_a_rate_is_given(di
 
     opt = next(a for a in get_args_parser(distributed)._actions if a.dest == "opt")
     assert "with --multi-label adamw at --lr 0.001 unless --opt or --lr is given" in " ".join(opt.help.split())
-
-
-def test_the_starting_bias_is_each_classs_log_odds_where_the_head_starts_at_random(capsys):
-    """recipe.md: a multi-label model starts with each class's sigmoid at its share of the
-    training images (log-odds, shares kept within 1e-4 and 1 - 1e-4); not where --weights
-    gave the classifier (same classes), nor for --eval-only, nor single-label."""
-    import numpy as np
-
-    from model import create_model
-    from multi_train_utils.model_setup import ModelSpec, build_model
-    from multi_train_utils.options import make_task
-
-    targets = np.zeros((200, 4), dtype=np.uint8)
-    targets[:100, 0], targets[:10, 1], targets[:, 3] = 1, 1, 1  # shares 0.5, 0.05, 0, 1
-    bias = make_task("multi-label").initial_bias(targets)
-    expected = [0.0, math.log(0.05 / 0.95), math.log(1e-4 / (1 - 1e-4)), math.log((1 - 1e-4) / 1e-4)]
-    assert bias.tolist() == pytest.approx(expected, abs=1e-5)
-    spec = ModelSpec(create_model, "resnet18", 4, 64)
-    torch.manual_seed(0)
-    model = build_model(spec, head_bias=bias)
-    assert model.fc.bias.tolist() == pytest.approx(expected, abs=1e-5)
-    assert "classifier bias: 'fc.bias' set to each class's log-odds" in capsys.readouterr().out
-    trained = {k: v + 1 for k, v in model.state_dict().items() if k.startswith("fc.")}
-    loaded = build_model(spec, weights={**model.state_dict(), **trained}, weights_flag="w.pth", head_bias=bias)
-    assert loaded.fc.bias.tolist() == pytest.approx([b + 1 for b in expected], abs=1e-5)  # the file's head kept
-    other = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}  # another class count's head
-    assert build_model(spec, weights=other, weights_flag="w.pth", head_bias=bias).fc.bias.tolist() == \
-        pytest.approx(expected, abs=1e-5)
-    torch.manual_seed(0)
-    plain = build_model(spec).fc.bias
-    torch.manual_seed(0)
-    evaluated = {**model.state_dict(), **trained}  # a head unlike the priors
-    assert torch.equal(build_model(spec, weights=evaluated, weights_flag="w.pth", eval_only=True,
-                                   head_bias=bias).fc.bias, evaluated["fc.bias"])
-    assert make_task("single-label").initial_bias([0, 1, 1]) is None and not torch.equal(plain, model.fc.bias)
 
 
 def test_eval_only_of_a_multi_label_run_takes_its_task_before_its_flags_are_checked(tmp_path):
