@@ -488,6 +488,7 @@ def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path
     threads = torch.get_num_threads()
     try:
         benchmark.eval_pass(0, 1, 0, 600, 7, str(tmp_path))
+        assert torch.get_num_threads() == 1  # "one thread a process as torchrun gives each rank of a 2-core machine"
     finally:
         torch.set_num_threads(threads)  # the pass takes one thread, as a rank of torchrun would
     row = json.loads((tmp_path / "0.json").read_text())
@@ -497,6 +498,70 @@ def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path
     assert row["images"] == len(scores) == 600 and row["seconds"] > 0
     assert row["map"] == pytest.approx(MultiLabelResult.from_scores(scores, targets).map, abs=1e-12)
     assert benchmark.get_args_parser().parse_args(["--multi-label-eval", "125000x600"]).multi_label_eval == [125000, 600]
+    for nothing in ("0x600", "125000x0"):  # images x classes: two positive numbers
+        with pytest.raises(SystemExit):
+            benchmark.get_args_parser().parse_args(["--multi-label-eval", nothing])
+
+
+def test_each_rank_of_the_multi_label_eval_pass_takes_every_world_th_batch(tmp_path, monkeypatch):
+    """performance.md: the pass is "as an epoch does it", each image once: of 600 images in
+    batches of 256 (the last 88), rank 0 of 2 takes batches 0 and 2 (344 images), rank 1
+    batch 1 (256); each rank's tally is its own here (no process group: what a rank adds)."""
+    import json
+
+    import benchmark
+
+    monkeypatch.setattr(benchmark.dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(benchmark.dist, "destroy_process_group", lambda: None)
+    threads = torch.get_num_threads()
+    try:
+        for rank in (0, 1):
+            benchmark.eval_pass(rank, 2, 0, 600, 7, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert [json.loads((tmp_path / f"{rank}.json").read_text())["images"] for rank in (0, 1)] == [344, 256]
+
+
+def test_the_multi_label_eval_row_peak_is_the_highest_memory_growth_and_the_report_is_at_tuned_thresholds(
+        tmp_path, monkeypatch):
+    """performance.md: "peak: each rank's highest memory growth" (Linux's VmHWM, the highest,
+    less VmRSS before the pass: here 5,000 less 1,000 bytes), and the pass includes "the best
+    epoch's report at tuned thresholds" (the result's figures at the tuned thresholds)."""
+    import json
+
+    import benchmark
+    from multi_train_utils.multi_label import MultiLabelResult
+
+    monkeypatch.setattr(benchmark, "memory_bytes", lambda field: {"VmRSS": 1000, "VmHWM": 5000}[field])
+    tuned, calls = MultiLabelResult.tuned, []
+    monkeypatch.setattr(MultiLabelResult, "tuned", lambda self: calls.append(self) or tuned(self))
+    threads = torch.get_num_threads()
+    try:
+        benchmark.eval_pass(0, 1, 0, 300, 3, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    row = json.loads((tmp_path / "0.json").read_text())
+    assert row["peak_bytes"] == 4000
+    assert calls and calls[-1].total == 300  # the timed pass's report, at its tuned thresholds
+
+
+def test_the_multi_label_eval_report_sets_the_peak_against_the_float32_scores(tmp_path, monkeypatch, capsys):
+    """performance.md: "(125,000 images × 600 classes ...; 0.30 GB of float32 scores)" and the
+    table's "peak / scores": the scores are images x classes x 4 bytes; 1,000 x 30 is 120,000
+    bytes, and a peak of 240,000 bytes is 2.00x of them."""
+    import json
+    from argparse import Namespace
+
+    import benchmark
+
+    rows = [{"processes": 1, "seconds": 0.5, "peak_bytes": 240000, "map": 0.5, "micro_f1": 0.25, "images": 1000,
+             "same_on_every_rank": True}]
+    monkeypatch.setattr(benchmark, "eval_rows", lambda images, classes, processes: rows)
+    report = tmp_path / "report.json"
+    benchmark.report_multi_label_eval(Namespace(multi_label_eval=[1000, 30], eval_processes=[1], json=str(report)))
+    assert json.loads(report.read_text())["scores_bytes"] == 120000
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:1] == ["1"])
+    assert line.split()[3] == "2.00x", line
 
 
 def test_the_multi_label_eval_row_is_the_slowest_rank_and_the_largest_peak(monkeypatch):

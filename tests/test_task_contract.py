@@ -218,6 +218,61 @@ def test_every_multi_label_figure_is_the_same_with_the_classes_split_across_rank
         assert int(whole.counts[0][c]) == int((predicted & positive).sum())
 
 
+
+def test_rank_r_of_w_ranks_classes_r_c_over_w_to_r_plus_1_c_over_w_minus_1():
+    """multi-label.md: rank r of W ranks "class r·C/W to (r+1)·C/W − 1" (whole classes, so the
+    floors): the shares differ by one class at most, never the remainder heaped on the last
+    rank; more ranks than classes leave some ranks none. Worked by hand."""
+    from multi_train_utils.multi_label import class_bounds
+
+    assert class_bounds(10, 4) == [0, 2, 5, 7, 10]  # 2.5 -> 2, 5, 7.5 -> 7: shares 2, 3, 2, 3
+    assert class_bounds(4, 5) == [0, 0, 1, 2, 3, 4]  # 0.8 -> 0: rank 0 has none
+    assert class_bounds(600, 7) == [0, 85, 171, 257, 342, 428, 514, 600]
+    assert class_bounds(7, 1) == [0, 7] and class_bounds(5, 3) == [0, 1, 3, 5]
+
+
+def test_the_report_keeps_the_curves_of_the_six_lowest_aps_of_every_rank(monkeypatch):
+    """multi-label.md: each rank draws "the precision-recall curves of its classes of lowest AP"
+    and the report keeps those of the 6 lowest of all: 14 classes on 2 ranks (7 each, so each
+    offers 6 curves) keep the curves of the 6 classes of lowest AP by the definition computed
+    here, whichever rank ranked them, on every rank."""
+    from test_multi_label import ap_by_definition
+
+    from multi_train_utils.options import make_task
+
+    task, classes = make_task("multi-label"), 14
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(40, classes, generator=generator)
+    labels = (torch.rand(40, classes, generator=generator) > 0.5).float()
+    labels[0] = 1  # every class has a positive
+    shards = [task.evaluation(classes, torch.device("cpu")) for _ in range(2)]
+    for i in range(0, 40, 4):
+        shards[(i // 4) % 2].add(logits[i:i + 4], labels[i:i + 4], torch.ones(4, dtype=torch.int64))
+    scores = torch.sigmoid(logits).tolist()
+    aps = [ap_by_definition([row[c] for row in scores], [int(row[c]) for row in labels.tolist()])
+           for c in range(classes)]
+    lowest = sorted(range(classes), key=lambda c: (aps[c], c))[:6]
+    assert not set(lowest) <= set(range(7)) and not set(lowest) <= set(range(7, 14))  # both ranks' classes
+    for result in ThreadRanks(monkeypatch, 2).results(shards):
+        assert sorted(result.report()["curves"], key=int) == [str(c) for c in sorted(lowest)]
+
+
+def test_the_tally_keeps_float32_probabilities_of_bf16_logits():
+    """multi-label.md: "Each rank keeps its images' probabilities (float32)": under bf16 autocast
+    the logits come in bf16 (5.0, 5.125, 5.25, 5.375 are exact there), whose sigmoids in bf16
+    would be two values (0.9922, 0.9961: two ties). In float32 they are four: AP by hand over
+    negative, positive, negative, positive from the lowest: 1/2 x 1 + 1/2 x 2/3; the best-F1
+    threshold is sigmoid(5.125) (F1 2 x 2 / (3 + 2) = 0.8)."""
+    from multi_train_utils.options import make_task
+
+    tally = make_task("multi-label").evaluation(1, torch.device("cpu"))
+    logits = torch.tensor([[5.0], [5.125], [5.25], [5.375]]).bfloat16()
+    tally.add(logits, torch.tensor([[0.0], [1.0], [0.0], [1.0]]), torch.ones(4, dtype=torch.int64))
+    result = tally.result()
+    assert result.ap[0] == pytest.approx(0.5 * 1 + 0.5 * 2 / 3, abs=1e-12)
+    assert result.tuned_thresholds() == [float(torch.sigmoid(torch.tensor(5.125)))]
+
+
 class Figures:
     """A result with the figures every task reads, each of its own value."""
 

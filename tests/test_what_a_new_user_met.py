@@ -134,8 +134,10 @@ def test_the_start_summary_says_the_augmentations_on_the_images_channels_and_nor
         world_size, trained, tmp_path, capsys, monkeypatch):
     """Issue 44's new user: --hflip 0 printed "crop+flip"; nothing said the channels, the mean and
     std, or that each process's last partial batch is left out. 70 training images at batch 12:
-    floor(70 / 12) x 12 = 60 at world size 1; each of 2 processes 35, floor(35 / 12) x 12 x 2 = 48.
-    64 images at batch 16 are whole batches at both."""
+    floor(70 / 12) x 12 = 60 at world size 1; each of 2 processes 35, floor(35 / 12) x 12 x 2 = 48
+    (with --accum-steps 2: a partial batch is left out, not a partial accumulation group).
+    64 images at batch 16 are whole batches at both. "The others" are named as they are on:
+    TrivialAugment, erasing and CutMix without MixUp."""
     from multi_train_utils import recorder
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.datasets import Datasets
@@ -150,8 +152,10 @@ def test_the_start_summary_says_the_augmentations_on_the_images_channels_and_nor
                     mean=(0.5,), std=(0.25,))
     whole = Datasets([(torch.zeros(3, 2, 2), 0)] * 64, [(torch.zeros(3, 2, 2), 1)] * 2, ["a", "b"], mean=None, std=None)
     printed = {}
-    for name, data, flags in (("no flip", gray, ["--hflip", "0", "--batch-size", "12"]),
-                              ("default", whole, ["--batch-size", "16"])):
+    for name, data, flags in (("no flip", gray, ["--hflip", "0", "--batch-size", "12", "--accum-steps", "2"]),
+                              ("default", whole, ["--batch-size", "16"]),
+                              ("others", whole, ["--auto-augment", "ta_wide", "--random-erase", "0.25",
+                                                 "--cutmix-alpha", "1"])):
         args = parse_flags(False, "--output-dir", str(tmp_path / "run"), *flags)
         print_start_summary(config_of(args), data, state, LoopSettings(Precision("off", "cpu")),
                             device=torch.device("cpu"))
@@ -159,6 +163,7 @@ def test_the_start_summary_says_the_augmentations_on_the_images_channels_and_nor
     recipe = {name: next(line for line in lines if line.startswith("recipe: ")) for name, lines in printed.items()}
     assert "; augment crop; " in recipe["no flip"] and "flip" not in recipe["no flip"]
     assert "; augment crop + flip 0.5; " in recipe["default"]
+    assert "; augment crop + flip 0.5 + ta_wide + erase 0.25 + cutmix 1; " in recipe["others"]
     assert "images: 1 channel, normalised by mean (0.5) and std (0.25)" in printed["no flip"]
     assert "images: 3 channels, pixel values in [0, 1], not normalised" in printed["default"]
     batch = {name: next(line for line in lines if line.startswith("batch: ")) for name, lines in printed.items()}
@@ -179,7 +184,8 @@ def test_printed_lines_reach_a_file_in_the_order_printed_when_stdout_and_stderr_
     path = tmp_path / "log.txt"
     with open(path, "wb", buffering=0) as raw:
         stdout = io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=1 << 16), encoding="utf-8")  # as Python's for a file
-        stderr = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+        # stderr as Python makes it (3.9+: line-buffered, into a file too)
+        stderr = io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True, write_through=True)
         monkeypatch.setattr(sys, "stdout", stdout)
         monkeypatch.setattr(sys, "stderr", stderr)
 
@@ -201,9 +207,11 @@ def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_o
     """Issue 44's new user: `--data-path ... --resume auto` on a run started with --model
     resnet18 was refused. A resume (auto, or the checkpoint's path) takes every setting of the
     run's args.json that is not typed again; what is typed wins (--epochs 8); what belongs to
-    this session is not taken (--workers, --threads, --print-freq, --device; under torchrun
-    the launcher's). The data: the run's, with the README's short form (the same --data-path,
-    typed relative) too; a typed --data-path of other data leaves all of the run's out."""
+    this session is not taken (--workers, --threads, --print-freq, --device, --compile,
+    --channels-last; under torchrun the launcher's). The data: the run's, with the README's
+    short form (the same --data-path, typed relative) too; a typed --data-path, or --val-path
+    alone, of other data leaves all of the run's out; a typed path that is not there is not
+    the run's to name."""
     from multi_train_utils.run_files import write_run_settings
 
     data, other = tmp_path / "flowers", tmp_path / "other"
@@ -213,7 +221,8 @@ def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_o
     first = parse_flags(False, "--data-path", str(data), "--val-path", str(other), "--model", "resnet18",
                         "--img-size", "64", "--mixup-alpha", "0.4", "--epochs", "5", "--seed", "7", "--lr", "0.03",
                         "--workers", "3", "--threads", "1", "--print-freq", "2", "--device", "cpu", "--output-dir",
-                        str(out), "--log-dir", str(tmp_path / "tb"), "--checkpoint-every", "10")
+                        str(out), "--log-dir", str(tmp_path / "tb"), "--checkpoint-every", "10", "--compile",
+                        "--no-channels-last")
     write_run_settings(str(out), config_of(first).flags, ["a", "b"])
     where = ["--resume", "auto", "--output-dir", str(out)] if resume == "auto" else [
         "--resume", str(out / "checkpoint.pth")]
@@ -224,12 +233,24 @@ def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_o
         assert taken == (str(data), str(other), "resnet18", 64, 0.4, 7, 0.03, str(tmp_path / "tb"), 10.0)
         assert args.epochs == 8  # typed again: this one
         fresh = parse_flags(distributed)
-        for session in ("workers", "threads", "print_freq", "device", "scale_lr", "sync_bn", "dist_timeout"):
+        for session in ("workers", "threads", "print_freq", "device", "compile", "channels_last", "scale_lr", "sync_bn",
+                        "dist_timeout"):
             assert getattr(args, session) == getattr(fresh, session), session
     short = parse_flags(False, *where, "--data-path", os.path.relpath(data))  # the README's short form
     assert (short.data_path, short.val_path, short.model) == (os.path.relpath(data), str(other), "resnet18")
     typed = parse_flags(False, *where, "--data-path", str(other))  # other data: none of the run's
     assert (typed.data_path, typed.val_path, typed.model) == (str(other), None, "resnet18")
+    from multi_train_utils.errors import UserError
+    try:  # typed, not the run's: never named as from args.json
+        gone = parse_flags(False, *where, "--data-path", str(data), "--val-path", str(tmp_path / "gone")).val_path
+    except UserError as refused:
+        gone = f"refused: {refused}"
+    assert gone == str(tmp_path / "gone")
+    third = tmp_path / "third"
+    third.mkdir()
+    val_only = parse_flags(False, *where, "--val-path", str(third))  # other validation data alone: not mixed either
+    assert (val_only.data_path, val_only.val_path, val_only.model) == (parse_flags(False).data_path, str(third),
+                                                                       "resnet18")
     demo = tmp_path / "demo-run"  # a --demo run of 5 epochs: its own --demo defaults do not undo what is taken
     write_run_settings(str(demo), config_of(parse_flags(False, "--demo", "--epochs", "5", "--data-path", str(data),
                                                          "--output-dir", str(demo))).flags, ["a", "b"])
@@ -237,7 +258,6 @@ def test_a_resume_takes_the_runs_settings_unless_given_again_and_this_sessions_o
     assert (resumed_demo.demo, resumed_demo.epochs, resumed_demo.data_path, resumed_demo.img_size) == (True, 5,
                                                                                                       str(data), 96)
     other.rmdir()  # the run's validation folder is gone: one line naming where the path came from
-    from multi_train_utils.errors import UserError
     with pytest.raises(UserError, match=rf"--val-path {other} \(from {out / 'args.json'}\) is not there any more; "
                                         "give --val-path"):
         parse_flags(False, *where)
