@@ -50,8 +50,8 @@ def _exchange_on_rank(rank, init_file, results):
         blocks = [mine] if rank == 0 else [mine[:2], mine[2:]]
         try:
             got = columns_of_every_rank(blocks, [0, 1, 4])
-            results.put((rank, row_counts(rows, torch.device("cpu")), [b.tolist() for b in got], blocks,
-                         gather_objects(f"from {rank}")))
+            results.put((rank, row_counts(rows, torch.device("cpu")), [b.tolist() for b in got],
+                         [b.tolist() for b in blocks], gather_objects(f"from {rank}")))
         except Exception as e:  # noqa: BLE001: the test says which collective broke
             results.put((rank, f"error: {e}"))
     finally:

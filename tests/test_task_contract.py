@@ -116,7 +116,7 @@ def test_each_ranks_tally_is_combined_exactly_loss_included(monkeypatch, kind):
     """task.py: ``result()`` "combines all ranks exactly (each image once)": two ranks' shards
     give the figures of one process over every image, the summed loss among them; the loss is
     the plain one, computed here from the logits."""
-    from multi_train_utils import multi_label, single_label
+    from multi_train_utils import single_label
     from multi_train_utils.options import make_task
 
     task, classes = make_task(kind), 7
@@ -271,6 +271,25 @@ def test_the_tally_keeps_float32_probabilities_of_bf16_logits():
     result = tally.result()
     assert result.ap[0] == pytest.approx(0.5 * 1 + 0.5 * 2 / 3, abs=1e-12)
     assert result.tuned_thresholds() == [float(torch.sigmoid(torch.tensor(5.125)))]
+
+
+def test_an_image_scored_exactly_at_its_thresholds_is_an_exact_match():
+    """multi-label.md: "a class is predicted when its probability is at least its threshold":
+    an image whose every score is its class's threshold (logit 0: exactly 0.5; and a tuned 0.25
+    of logit log(1/3)) is predicted positive for each: two such images of labels 1, 1 are exact
+    matches, one of labels 0, 0 is not; a score just below is not predicted (2 of 4)."""
+    import math
+
+    from multi_train_utils.options import make_task
+
+    quarter = math.log(1 / 3)  # sigmoid: 0.25 in float32
+    thresholds = [0.5, float(torch.sigmoid(torch.tensor(quarter)))]
+    tally = type(make_task("multi-label"))(thresholds).evaluation(2, torch.device("cpu"))
+    logits = torch.tensor([[0.0, quarter], [0.0, quarter], [0.0, quarter], [-1e-3, quarter]])
+    labels = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
+    tally.add(logits, labels, torch.ones(4, dtype=torch.int64))
+    result = tally.result()
+    assert (result.correct, result.total) == (2, 4)
 
 
 class Figures:
