@@ -476,6 +476,19 @@ def test_spawn_starts_n_local_ranks_of_one_job_on_a_free_port_of_127_0_0_1(monke
 
 # --- benchmark.py --multi-label-eval ----------------------------------------------------------------
 
+def eval_pass_restoring_threads(*args):
+    """benchmark.eval_pass(*args) in this process; the threads it ran on (it sets its own, as a
+    rank of torchrun would), this process's count restored after."""
+    import benchmark
+
+    threads = torch.get_num_threads()
+    try:
+        benchmark.eval_pass(*args)
+        return torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path):
     """performance.md: --multi-label-eval IMAGESxCLASSES times one pass of that many generated
     images (the last batch holds what is left) through the multi-label tally; its mAP is that
@@ -485,12 +498,8 @@ def test_the_multi_label_eval_row_times_the_pass_of_the_images_it_names(tmp_path
     import benchmark
     from multi_train_utils.multi_label import MultiLabelResult
 
-    threads = torch.get_num_threads()
-    try:
-        benchmark.eval_pass(0, 1, 0, 600, 7, str(tmp_path))
-        assert torch.get_num_threads() == 1  # "one thread a process as torchrun gives each rank of a 2-core machine"
-    finally:
-        torch.set_num_threads(threads)  # the pass takes one thread, as a rank of torchrun would
+    # "one thread a process as torchrun gives each rank of a 2-core machine"
+    assert eval_pass_restoring_threads(0, 1, 0, 600, 7, str(tmp_path)) == 1
     row = json.loads((tmp_path / "0.json").read_text())
     batches = [benchmark.eval_batch(i, 7, 600) for i in range(3)]
     scores = torch.sigmoid(torch.cat([logits for logits, _, _ in batches]))
@@ -513,12 +522,8 @@ def test_each_rank_of_the_multi_label_eval_pass_takes_every_world_th_batch(tmp_p
 
     monkeypatch.setattr(benchmark.dist, "init_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(benchmark.dist, "destroy_process_group", lambda: None)
-    threads = torch.get_num_threads()
-    try:
-        for rank in (0, 1):
-            benchmark.eval_pass(rank, 2, 0, 600, 7, str(tmp_path))
-    finally:
-        torch.set_num_threads(threads)
+    for rank in (0, 1):
+        eval_pass_restoring_threads(rank, 2, 0, 600, 7, str(tmp_path))
     assert [json.loads((tmp_path / f"{rank}.json").read_text())["images"] for rank in (0, 1)] == [344, 256]
 
 
@@ -535,11 +540,7 @@ def test_the_multi_label_eval_row_peak_is_the_highest_memory_growth_and_the_repo
     monkeypatch.setattr(benchmark, "memory_bytes", lambda field: {"VmRSS": 1000, "VmHWM": 5000}[field])
     tuned, calls = MultiLabelResult.tuned, []
     monkeypatch.setattr(MultiLabelResult, "tuned", lambda self: calls.append(self) or tuned(self))
-    threads = torch.get_num_threads()
-    try:
-        benchmark.eval_pass(0, 1, 0, 300, 3, str(tmp_path))
-    finally:
-        torch.set_num_threads(threads)
+    eval_pass_restoring_threads(0, 1, 0, 300, 3, str(tmp_path))
     row = json.loads((tmp_path / "0.json").read_text())
     assert row["peak_bytes"] == 4000
     assert calls and calls[-1].total == 300  # the timed pass's report, at its tuned thresholds
