@@ -173,6 +173,8 @@ def end_loader_workers():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in children:
         child.kill()
+    for child in children:
+        child.join()  # SIGKILL cannot be ignored: gone at once, and then reaped
 
 
 def die_with_launcher():
@@ -405,7 +407,13 @@ def print_lines_in_order():
 def _exit_code(main, argv):
     """``main(argv)``'s exit code, its error reported as run_cli says; other errors raised."""
     try:
-        main(argv)
+        try:
+            main(argv)
+        except BaseException:
+            # now, while the error's traceback holds the loader: freeing it joins each worker
+            # for 5 s, one that hangs included, and meanwhile the other ranks wait
+            end_loader_workers()
+            raise
         return 0
     except UserError as e:
         report_error(e)

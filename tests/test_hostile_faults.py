@@ -246,6 +246,37 @@ def test_run_cli_frees_the_run_in_reference_cycles_and_in_its_handled_error_befo
     assert alive == [False, False, False]
 
 
+def test_an_error_ends_the_loader_workers_before_its_traceback_frees_the_loader(capsys, monkeypatch):
+    """A rank whose loader gave up on a worker (or that failed otherwise with its loader's
+    iterator in the error's traceback) ends its workers before the traceback is freed: freeing
+    it shuts the loader down, which joins each live worker for 5 s (a hung one included) while
+    the other ranks wait in a collective. Seen from the shut-down: no worker is alive by then."""
+    from torch.utils.data import dataloader
+
+    from multi_train_utils.errors import reset_in_worker
+
+    alive_at_shutdown = []
+    shutdown = dataloader._MultiProcessingDataLoaderIter._shutdown_workers
+
+    def recorded(self):
+        if not alive_at_shutdown:
+            alive_at_shutdown.append([w.is_alive() for w in self._workers])
+        shutdown(self)
+
+    monkeypatch.setattr(dataloader._MultiProcessingDataLoaderIter, "_shutdown_workers", recorded)
+
+    def fails_with_a_worker_running(argv):
+        loader = torch.utils.data.DataLoader(list(range(64)), batch_size=2, num_workers=1,
+                                             worker_init_fn=reset_in_worker)
+        batches = iter(loader)  # noqa: F841 - in the frame that the error's traceback holds
+        next(batches)
+        raise RuntimeError("DataLoader timed out after 5 seconds")  # torch's words for a worker that hangs
+
+    code, err = cli_result(fails_with_a_worker_running, capsys)
+    assert code == 1 and "gave no batch in 5 s: it hangs" in err, (code, err)
+    assert alive_at_shutdown == [[False]]
+
+
 def test_a_fault_in_the_middle_of_a_run_says_which_checkpoint_is_intact(tmp_path):
     from conftest import run_recorder
 
