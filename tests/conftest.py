@@ -30,7 +30,10 @@ sys.path.insert(0, REPO)
 from multi_train_utils.datasets import DEMO_CLASSES, _draw_flower  # noqa: E402
 
 PYTHON = sys.executable
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run"]
+# torchrun whose workers fork from it instead of importing torch afresh (see the helper);
+# TESTS_FRESH_PROCESSES=1: plain torchrun
+TORCHRUN = ([PYTHON, "-m", "torch.distributed.run"] if os.environ.get("TESTS_FRESH_PROCESSES") == "1"
+            else [PYTHON, os.path.join(REPO, "tests", "helpers", "forking_torchrun.py")])
 
 
 def torchrun_passing_sigusr1():

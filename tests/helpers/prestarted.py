@@ -43,25 +43,32 @@ FILTERS = list(warnings.filters)  # a new process's warning filters after these 
 
 def run_child(request):
     """In the forked child: become ``python argv...`` and exit with its exit code."""
-    import atexit
-    import runpy
-    import threading
-    import traceback
-
     os.setsid()  # its own session, so that killing its tree never reaches the server
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # the child's PYTHONWARNINGS, as a new interpreter reads it at start (-W's own parser)
-    warnings.filters[:] = FILTERS
-    sys.warnoptions[:] = [option for option in os.environ.get("PYTHONWARNINGS", "").split(",") if option]
-    warnings._processoptions(sys.warnoptions)
     stdin = os.open(os.devnull, os.O_RDONLY)
     stdout = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     stderr = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    run_as_main(request["argv"], request["env"], request["cwd"])
+
+
+def run_as_main(argv, env, cwd):
+    """In a forked child whose descriptors 0-2 are its own: run ``python argv...`` as a new
+    interpreter would (its environment, working folder, warning filters, unbuffered text
+    streams, sys.path and sys.argv) and exit with its exit code. Never returns."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # the child's PYTHONWARNINGS, as a new interpreter reads it at start (-W's own parser)
+    warnings.filters[:] = FILTERS
+    sys.warnoptions[:] = [option for option in os.environ.get("PYTHONWARNINGS", "").split(",") if option]
+    warnings._processoptions(sys.warnoptions)
     # unbuffered text streams, as PYTHONUNBUFFERED=1 gives a new process
     sys.stdin = open(0, "r", closefd=False)
     sys.stdout = open(1, "w", buffering=1, encoding=sys.__stdout__.encoding, errors=sys.__stdout__.errors,
@@ -70,7 +77,7 @@ def run_child(request):
                       closefd=False)
     sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
     numpy.random.seed()  # a new process draws a new NumPy seed
-    argv = list(request["argv"])
+    argv = list(argv)
     module = argv[1] if argv[0] == "-m" else None
     # sys.path[0]: the script's folder, or for -m the working folder (as python sets them)
     first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
