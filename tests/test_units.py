@@ -352,6 +352,50 @@ def test_a_deprecation_is_an_error_in_the_suite_and_in_every_process_it_starts(t
         assert "FutureWarning: an API of the past" in result.stderr
 
 
+def test_a_worker_of_the_suites_torchrun_starts_as_a_worker_of_torchrun_does(tmp_path):
+    """The suite's torchrun (tests/helpers/forking_torchrun.py) forks its workers instead of
+    starting new interpreters: each must still begin as plain torchrun's do, with the signal
+    handlers, descriptors, session, parent, argv, sys.path, environment, warning filters and
+    collector of a new process; only the pids differ."""
+    import json
+
+    import time
+
+    from conftest import PYTHON, REPO, TORCHRUN, ScriptProcess, free_port
+
+    seen = tmp_path / "seen.py"
+    seen.write_text(
+        "import gc, json, os, signal, sys, warnings\n"
+        "names = ['SIGINT', 'SIGTERM', 'SIGHUP', 'SIGQUIT', 'SIGUSR1', 'SIGUSR2', 'SIGPIPE', 'SIGXFSZ', 'SIGCHLD']\n"
+        "try:\n"
+        "    warnings.warn('an API of the past', FutureWarning)\n"
+        "    warned = 'printed'\n"
+        "except FutureWarning:\n"
+        "    warned = 'raised'\n"
+        "record = {'handlers': {n: repr(signal.getsignal(getattr(signal, n))) for n in names},\n"
+        "          'descriptors': sorted(os.listdir('/proc/self/fd')), 'own_session': os.getsid(0) == os.getpid(),\n"
+        "          'parent': os.getppid(),\n"
+        "          'argv': sys.argv, 'path0': sys.path[0], 'rank': os.environ['RANK'], 'warned': warned,\n"
+        "          'gc': gc.isenabled(), 'main': __name__, 'modules': 'multi_train_utils' in sys.modules}\n"
+        "with open(sys.argv[1] + os.environ['RANK'], 'w') as f:\n"
+        "    json.dump(record, f)\n")
+    records = {}
+    for name, launcher in (("plain", [PYTHON, "-m", "torch.distributed.run"]), ("suite", TORCHRUN)):
+        torchrun = ScriptProcess([*launcher, "--nproc_per_node=2", "--master_port", str(free_port()), str(seen),
+                                  str(tmp_path / name), "x y"], None, REPO)
+        code, _, stderr, _ = torchrun.finish(time.monotonic() + 120)
+        assert code == 0, stderr
+        records[name] = [json.loads((tmp_path / f"{name}{rank}").read_text()) for rank in (0, 1)]
+        for record in records[name]:
+            record["argv"][1] = record["argv"][1].replace(str(tmp_path / name), "OUT")
+            record["parent"] = "torchrun" if record["parent"] == torchrun.pid else record["parent"]
+    for key in records["plain"][0]:
+        assert [r[key] for r in records["suite"]] == [r[key] for r in records["plain"]], key
+    assert [r["rank"] for r in records["suite"]] == ["0", "1"]
+    assert records["suite"][0]["parent"] == "torchrun" and records["suite"][0]["own_session"]
+    assert records["suite"][0]["handlers"]["SIGTERM"] == "<Handlers.SIG_DFL: 0>"
+
+
 def test_resume_auto_finds_the_previous_checkpoint_where_it_is_the_only_one(tmp_path):
     from multi_train_utils import checkpoint as ckpt
 
