@@ -376,6 +376,56 @@ class ScriptProcess:
         return code, stdout, stderr, timed_out
 
 
+class StartedJob:
+    """A job a test signals or kills while it runs, started as a terminal would: in a session of
+    its own, Ctrl-C (SIGINT) not ignored, also when pytest itself runs in the background of a
+    script (where SIGINT is ignored, and a job started from there rightly keeps ignoring it).
+    ``python SCRIPT.py ...`` forks from the prestarted Python (a session of its own; its SIGINT is
+    a new interpreter's, as this file restores pytest's); anything else, or every job with
+    TESTS_FRESH_PROCESSES=1, is a new process. Popen's pid, poll, wait, communicate, returncode."""
+
+    def __init__(self, cmd, env=None):
+        self.popen, self.returncode, self.output = None, None, None
+        if forks_from_prestarted(cmd):
+            self.process = ScriptProcess(cmd, env, REPO)
+            self.pid = self.process.pid
+        else:
+            self.popen = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            self.pid = self.popen.pid
+
+    def poll(self):
+        if self.popen is not None:
+            self.returncode = self.popen.poll()
+        elif self.output is None and os.path.exists(self.process.paths["rc"]):
+            self.returncode, stdout, stderr, _ = self.process.finish(float("inf"))
+            self.output = (stdout, stderr)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import time
+
+        if self.popen is not None:
+            self.returncode = self.popen.wait(timeout)
+            return self.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.process.cmd, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        """(stdout, stderr) once the job has ended; subprocess.TimeoutExpired after ``timeout``."""
+        if self.popen is not None:
+            output = self.popen.communicate(timeout=timeout)
+            self.returncode = self.popen.returncode
+            return output
+        self.wait(timeout)
+        return self.output
+
+
 def torchcodec_decodes():
     """True where the loader decodes JPEGs with TorchCodec; False where TorchCodec is not
     installed at all (CI's aarch64 pair, whose torch has no TorchCodec with image decoders);

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TORCHRUN, dump_stacks_then_kill_tree, free_port, kill_tree, pids_of_tree,
-                      probe_records, read_metrics, run, script, subprocess_env, train_args)
+from conftest import (PYTHON, REPO, TORCHRUN, StartedJob, dump_stacks_then_kill_tree, free_port, kill_tree,
+                      pids_of_tree, probe_records, read_metrics, run, script, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 EPOCHS = ["--epochs", "4"]
@@ -75,14 +75,9 @@ def no_process_left_behind():
 
 
 def start(cmd, env=None):
-    """Start a job as a terminal would: in a session of its own, Ctrl-C (SIGINT) not ignored,
-    also when pytest itself runs in the background of a script (where SIGINT is ignored, and
-    a job started from there rightly keeps ignoring it)."""
-    job = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    STARTED.append(job)
-    return job
+    """Start a job that the test signals or kills (see StartedJob); it dies with the test."""
+    STARTED.append(StartedJob(cmd, env))
+    return STARTED[-1]
 
 
 def metric_rows(output_dir):

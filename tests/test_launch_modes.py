@@ -4,9 +4,8 @@ import os
 import re
 import shlex
 
-from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHRUN, assert_run_outputs,
-                      cpuinfo_lists_bf16, free_port, probe_records, read_metrics, run, script, subprocess_env,
-                      train_args)
+from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHRUN, StartedJob, assert_run_outputs,
+                      cpuinfo_lists_bf16, free_port, probe_records, read_metrics, run, script, train_args)
 from multi_train_utils import images
 
 
@@ -83,43 +82,31 @@ def test_multi_gpu_script_without_launcher(tiny_data, tmp_path):
 
 def test_two_nodes_of_one_process(tiny_data, tmp_path):
     """torchrun --nnodes=2 as two invocations on 127.0.0.1; only global rank 0 writes."""
-    import subprocess
-
     out, port = tmp_path / "out", str(free_port())
-    env = subprocess_env()
-    procs = [
-        subprocess.Popen([*TORCHRUN, "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1",
-                          "--master_addr=127.0.0.1", f"--master_port={port}", script("train_multi_gpu.py"),
-                          *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for r in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "world size: 2 (torchrun" in outputs[0]
-    assert "split:" not in outputs[1]  # node 1 holds rank 1: silent
-    assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=outputs[0])
+    jobs = [StartedJob([*TORCHRUN, "--nnodes=2", f"--node_rank={r}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                        f"--master_port={port}", script("train_multi_gpu.py"),
+                        *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
+            for r in (0, 1)]
+    outputs = [job.communicate(timeout=180) for job in jobs]  # (stdout, stderr) of each node
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert "world size: 2 (torchrun" in outputs[0][0]
+    assert "split:" not in "".join(outputs[1])  # node 1 holds rank 1: silent
+    assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=outputs[0][0])
 
 
 def test_slurm_environment(tiny_data, tmp_path):
     """srun python train_multi_gpu.py: rank, world size, address (first host of the node list)
     and port (from the job id) from SLURM_* variables."""
-    import subprocess
-
     out, port = tmp_path / "out", free_port(15000, 32000)
-    procs = [subprocess_env(dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2",
-                                 SLURM_LOCALID=str(rank), SLURM_STEP_TASKS_PER_NODE="2",
-                                 SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000)))
-             for rank in (0, 1)]
-    handles = [subprocess.Popen([PYTHON, script("train_multi_gpu.py"),
-                                 *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-               for env in procs]
-    outputs = [h.communicate(timeout=180)[0] for h in handles]
-    assert [h.returncode for h in handles] == [0, 0], outputs
-    assert "world size: 2 (slurm, backend gloo)" in outputs[0]
-    assert threads_text(max(1, CORES // 2)) in outputs[0]  # 2 tasks per node share the cores
-    assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=outputs[0])
+    jobs = [StartedJob([PYTHON, script("train_multi_gpu.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
+                       dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
+                            SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000)))
+            for rank in (0, 1)]
+    outputs = [job.communicate(timeout=180) for job in jobs]  # (stdout, stderr) of each task
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert "world size: 2 (slurm, backend gloo)" in outputs[0][0]
+    assert threads_text(max(1, CORES // 2)) in outputs[0][0]  # 2 tasks per node share the cores
+    assert_run_outputs(str(out), epochs=1, lr=0.002, steps_per_epoch=4, stdout=outputs[0][0])
 
 
 def test_data_parallel_flag_on_cpu(tiny_data, tmp_path):

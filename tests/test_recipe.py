@@ -425,9 +425,7 @@ def ddp(*flags):
 
 
 def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_identical_on_ranks(tiny_data, tmp_path):
-    import subprocess
-
-    from conftest import subprocess_env
+    from conftest import StartedJob
 
     epochs = ["--epochs", "3", "--workers", "0"]
     straight = tmp_path / "straight"
@@ -457,8 +455,7 @@ def test_every_feature_at_once_kill_and_resume_equals_a_straight_run_with_ema_id
 
     out = tmp_path / "killed"
     flags = train_args(tiny_data, out, *epochs, *RECIPE)
-    killed = subprocess.Popen(ddp(*flags), cwd=REPO, env=subprocess_env({"PROBE_STEP_SLEEP": "0.3"}),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    killed = StartedJob(ddp(*flags), {"PROBE_STEP_SLEEP": "0.3"})
     try:
         deadline = time.monotonic() + 150
         while True:  # until the second checkpoint (epoch 1) can be read
