@@ -226,13 +226,25 @@ def dump_stacks_then_kill_tree(pid):
     import signal
     import time
 
-    for p in pids_of_tree(pid):
+    pids = pids_of_tree(pid)
+    for p in pids:
         try:
             os.kill(p, signal.SIGABRT)
         except OSError:
             pass
-    time.sleep(3)
+    deadline = time.monotonic() + 3
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:  # each ends once it has printed
+        time.sleep(0.05)
     kill_tree(pid)
+
+
+def alive(pid):
+    """Whether process ``pid`` runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
 
 
 class TimeoutExpiredWithStacks(subprocess.TimeoutExpired):

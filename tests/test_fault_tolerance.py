@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import (PYTHON, REPO, TORCHRUN, StartedJob, dump_stacks_then_kill_tree, free_port, kill_tree,
+from conftest import (PYTHON, REPO, TORCHRUN, StartedJob, alive, dump_stacks_then_kill_tree, free_port, kill_tree,
                       pids_of_tree, probe_records, read_metrics, run, script, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
@@ -23,14 +23,6 @@ def command(kind, probe, *flags):
         entry = [script(name)]
     prefix = [PYTHON] if kind == "single" else [*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port())]
     return [*prefix, *entry, *flags]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 def wait_for(path, proc, timeout=120):

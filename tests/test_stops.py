@@ -44,7 +44,7 @@ def kill_on_bad_exit(cmd, env, world_size=2, timeout=300):
     return codes, first_bad
 
 
-def slow_scontrol(folder, seconds=5):
+def slow_scontrol(folder, seconds=3):
     """An scontrol that takes ``seconds`` (as a busy slurmctld does), then writes its arguments."""
     folder.mkdir()
     path = folder / "scontrol"
@@ -55,7 +55,7 @@ def slow_scontrol(folder, seconds=5):
 
 @pytest.mark.parametrize("point", ["step-1-1", "validation-0"])
 def test_the_requeue_is_done_before_any_rank_exits(tiny_data, tmp_path, point):
-    """SIGUSR1 to rank 1 (inside an epoch, and at an epoch's end), scontrol taking 5 s, and a
+    """SIGUSR1 to rank 1 (inside an epoch, and at an epoch's end), scontrol taking 3 s, and a
     launcher that kills every rank at the first non-zero exit (srun --kill-on-bad-exit=1): no
     rank exits before rank 0's scontrol requeue is done, so the job is requeued."""
     out, bin_dir = tmp_path / "out", slow_scontrol(tmp_path / "bin")
