@@ -3,6 +3,7 @@
 Every training run is a real subprocess (python, torchrun, torch.distributed.launch); runs
 that several tests read are session-scoped so that each is launched once.
 """
+import concurrent.futures
 import contextlib
 import csv
 import importlib.util
@@ -436,6 +437,19 @@ class StartedJob:
             return output
         self.wait(timeout)
         return self.output
+
+
+EARLY = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="early-job")
+
+
+def started_early(request, test, function, *args):
+    """``function(*args)`` in a thread of the suite, if ``test`` is among the tests this session
+    runs (else None); ``.result()`` gives its return value or raises its exception. For jobs
+    that mostly wait (for a time-out, a slow scontrol): a module-scoped fixture starts them as
+    the module begins, and the module's other tests run while they wait."""
+    if not any(getattr(item, "function", None) is test for item in request.session.items):
+        return None
+    return EARLY.submit(function, *args)
 
 
 def torchcodec_decodes():

@@ -1,4 +1,5 @@
 """Never lose work: kill and resume exactly, elastic restarts, Ctrl-C, failing ranks."""
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from conftest import (PYTHON, REPO, TORCHRUN, StartedJob, alive, dump_stacks_then_kill_tree, free_port, kill_tree,
-                      pids_of_tree, probe_records, read_metrics, run, script, train_args)
+                      pids_of_tree, probe_records, read_metrics, run, script, started_early, train_args)
 
 PROBE = os.path.join(REPO, "tests", "helpers", "probe.py")
 EPOCHS = ["--epochs", "4"]
@@ -231,24 +232,49 @@ def test_a_rank_that_raises_ends_the_job(tiny_data, tmp_path, workers, step):
     assert not [p for p in pids if alive(p)]
 
 
-def test_a_rank_that_hangs_ends_the_job_after_the_timeout(tiny_data, tmp_path):
-    """Also: leaving the process group, which here never returns (as NCCL's may wait for work
-    in flight with a peer gone), does not keep the error from getting out."""
-    job = start([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
-                 *train_args(tiny_data, tmp_path / "out", "--epochs", "2", "--workers", "0", "--dist-timeout", "8")],
-                env={"PROBE_HANG_RANK": "1", "PROBE_STUCK_DESTROY": "1"})
-    pids = wait_for_processes(job, 3)
-    started = time.monotonic()
+def hang_until_the_timeout(tiny_data, out):
+    """torchrun, 2 processes; rank 1 hangs at its first step, and leaving the process group
+    never returns (as NCCL's may wait for work in flight with a peer gone). Returns the exit
+    code, stdout, stderr, the seconds from the workers' start to the job's end, and the job's
+    processes still alive a second later."""
+    job = StartedJob([*TORCHRUN, "--nproc_per_node=2", "--master_port", str(free_port()), PROBE, "multi",
+                      *train_args(tiny_data, out, "--epochs", "2", "--workers", "0", "--dist-timeout", "8")],
+                     {"PROBE_HANG_RANK": "1", "PROBE_STUCK_DESTROY": "1"})
     try:
-        stdout, stderr = job.communicate(timeout=60)
-    except subprocess.SubprocessError:  # it did not end: fail on the assertion below
-        kill_tree(job.pid)
-        stdout, stderr = job.communicate()
-    elapsed = time.monotonic() - started
+        pids = wait_for_processes(job, 3)
+        started = time.monotonic()
+        try:
+            stdout, stderr = job.communicate(timeout=60)
+        except subprocess.SubprocessError:  # it did not end: fail on the assertions
+            kill_tree(job.pid)
+            stdout, stderr = job.communicate()
+        elapsed = time.monotonic() - started
+        time.sleep(1)
+        return job.returncode, stdout, stderr, elapsed, [p for p in pids if alive(p)]
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+            job.communicate()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hanging_job(request, tiny_data, tmp_path_factory):
+    """The hang test's job waits ~10 s for its --dist-timeout: it starts as this module begins,
+    and the module's other tests run meanwhile."""
+    job = started_early(request, test_a_rank_that_hangs_ends_the_job_after_the_timeout, hang_until_the_timeout,
+                        tiny_data, tmp_path_factory.mktemp("hang") / "out")
+    yield job
+    if job is not None:
+        concurrent.futures.wait([job])
+
+
+def test_a_rank_that_hangs_ends_the_job_after_the_timeout(hanging_job):
+    """Rank 0 waits for --dist-timeout, not forever, and the error gets out although leaving the
+    process group never returns."""
+    code, stdout, stderr, elapsed, left = hanging_job.result()
     assert 8 <= elapsed < 60, (elapsed, stderr[-2000:])  # rank 0 waited for the --dist-timeout, not forever
-    assert job.returncode != 0
+    assert code != 0
     assert "[rank 0] error: a collective timed out after --dist-timeout" in stderr, stderr
     assert "the process group did not shut down within 2 s" in stderr, stderr
     assert "[rank0]: Traceback" not in stderr  # no traceback from the workers (torchrun prints its own)
-    time.sleep(1)
-    assert not [p for p in pids if alive(p)]
+    assert not left

@@ -4,6 +4,7 @@ the schedule after a resume at another batch size, the random state of the GPU i
 the smaller promises around them (the port, uneven SLURM nodes, --eval-only's precision).
 The fault matrix itself is tests/test_fault_matrix.py.
 """
+import concurrent.futures
 import fcntl
 import os
 import signal
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (PROBE, PYTHON, REPO, TORCHRUN, ScriptProcess, free_port, kill_tree, parse_flags, read_metrics, run,
-                      run_ranks, train_args)
+                      run_ranks, started_early, train_args)
 
 SHORT = ["--epochs", "2", "--workers", "0", "--print-freq", "1", "--checkpoint-every", "0"]
 
@@ -53,19 +54,54 @@ def slow_scontrol(folder, seconds=3):
     return folder
 
 
-@pytest.mark.parametrize("point", ["step-1-1", "validation-0"])
-def test_the_requeue_is_done_before_any_rank_exits(tiny_data, tmp_path, point):
-    """SIGUSR1 to rank 1 (inside an epoch, and at an epoch's end), scontrol taking 3 s, and a
-    launcher that kills every rank at the first non-zero exit (srun --kill-on-bad-exit=1): no
-    rank exits before rank 0's scontrol requeue is done, so the job is requeued."""
-    out, bin_dir = tmp_path / "out", slow_scontrol(tmp_path / "bin")
+def requeue_run(tiny_data, folder, point):
+    """SIGUSR1 to rank 1 at ``point``, scontrol taking 3 s, under ``kill_on_bad_exit``: each
+    rank's exit code and what scontrol was called with (None where every script is a new
+    interpreter: kill_on_bad_exit reads the prestarted Python's rc files)."""
     if os.environ.get("TESTS_FRESH_PROCESSES") == "1":
-        pytest.skip("needs the prestarted Python's rc files")
+        return None
+    out, bin_dir = folder / "out", slow_scontrol(folder / "bin")
     cmd = [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT, "--requeue", "--resume", "auto")]
     codes, _ = kill_on_bad_exit(cmd, {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "91",
                                       "PROBE_STOP": f"SIGUSR1:{point}:rank1"})
     calls = bin_dir / "calls.txt"
-    assert (calls.read_text() if calls.exists() else "") == "requeue 91\n", codes
+    return codes, calls.read_text() if calls.exists() else ""
+
+
+def loader_worker_fault_run(tiny_data, out, fault):
+    """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here), exits or is killed."""
+    return run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT[:2], "--workers", "1")],
+                     env={"PROBE_VAL_WORKER": f"{fault}:1", "PROBE_LOADER_TIMEOUT": "5"}, timeout=240)
+
+
+REQUEUE_POINTS = ["step-1-1", "validation-0"]
+LOADER_WORKER_FAULTS = {"hang": "gave no batch in 5 s: it hangs", "die": "ended: exited unexpectedly", "kill": "ended: "}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def waiting_jobs(request, tiny_data, tmp_path_factory):
+    """The requeue runs (each waits 3 s for scontrol) and the loader worker's faults (one waits
+    5 s for the loader's time-out) start together as this module begins, and the module's
+    other tests run meanwhile."""
+    jobs = {point: started_early(request, test_the_requeue_is_done_before_any_rank_exits, requeue_run, tiny_data,
+                                 tmp_path_factory.mktemp("requeue"), point) for point in REQUEUE_POINTS}
+    jobs.update({fault: started_early(request, test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank,
+                                      loader_worker_fault_run, tiny_data, tmp_path_factory.mktemp(fault) / "out", fault)
+                 for fault in LOADER_WORKER_FAULTS})
+    yield jobs
+    concurrent.futures.wait([job for job in jobs.values() if job is not None])
+
+
+@pytest.mark.parametrize("point", REQUEUE_POINTS)
+def test_the_requeue_is_done_before_any_rank_exits(waiting_jobs, point):
+    """SIGUSR1 to rank 1 (inside an epoch, and at an epoch's end), scontrol taking 3 s, and a
+    launcher that kills every rank at the first non-zero exit (srun --kill-on-bad-exit=1): no
+    rank exits before rank 0's scontrol requeue is done, so the job is requeued."""
+    result = waiting_jobs[point].result()
+    if result is None:
+        pytest.skip("needs the prestarted Python's rc files")
+    codes, calls = result
+    assert calls == "requeue 91\n", codes
     # both stop with 75; the first to exit may get the other killed (-9), whichever it is
     assert 75 in codes and set(codes) <= {75, -signal.SIGKILL}, codes
 
@@ -137,18 +173,15 @@ def test_a_failed_save_on_rank_0_stops_every_rank_in_seconds(tiny_data, tmp_path
     assert not (out / "checkpoint.pth").exists()
 
 
-@pytest.mark.parametrize("fault, line", [("hang", "gave no batch in 5 s: it hangs"),
-                                         ("die", "ended: exited unexpectedly"),
-                                         ("kill", "ended: ")], ids=["hang", "die", "kill"])
-def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(tiny_data, tmp_path, fault, line):
+@pytest.mark.parametrize("fault", LOADER_WORKER_FAULTS)
+def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(waiting_jobs, fault):
     """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here), exits or is killed: rank
     1 names it in one line with the checkpoint to resume from, rank 0 says it lost contact;
     neither waits forever, nor prints a traceback."""
-    out = tmp_path / "out"
-    job = run_ranks(2, [PYTHON, PROBE, "multi", *train_args(tiny_data, out, *SHORT[:2], "--workers", "1")],
-                    env={"PROBE_VAL_WORKER": f"{fault}:1", "PROBE_LOADER_TIMEOUT": "5"}, timeout=240)
+    job = waiting_jobs[fault].result()
     assert job.returncode != 0
-    assert "[rank 1] error: a data loader's worker" in job.stderr and line in job.stderr, job.stderr
+    assert "[rank 1] error: a data loader's worker" in job.stderr and LOADER_WORKER_FAULTS[fault] in job.stderr, \
+        job.stderr
     assert "no checkpoint was written yet" in job.stderr, job.stderr
     assert "lost contact with another process" in job.stderr, job.stderr
     assert "Traceback" not in job.stderr, job.stderr
