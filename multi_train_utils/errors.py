@@ -173,8 +173,8 @@ def end_loader_workers():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in children:
         child.kill()
-    for child in children:
-        child.join()  # SIGKILL cannot be ignored: gone at once, and then reaped
+    for child in children:  # reaped; one in a read that never returns (a dead NFS mount) cannot die: not waited for
+        child.join(timeout=1)
 
 
 def die_with_launcher():

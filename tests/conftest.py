@@ -315,6 +315,7 @@ class Prestarted:
 PRESTARTED_PYTHON = Prestarted()
 
 
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown (-x, Ctrl-C), whose jobs it may still run
 def pytest_sessionfinish(session, exitstatus):
     PRESTARTED_PYTHON.stop()
 
@@ -398,19 +399,26 @@ class StartedJob:
     TESTS_FRESH_PROCESSES=1, is a new process. Popen's pid, poll, wait, communicate, returncode."""
 
     def __init__(self, cmd, env=None):
-        self.popen, self.returncode, self.output = None, None, None
+        self.cmd, self.popen, self.returncode, self.output = cmd, None, None, None
         if forks_from_prestarted(cmd):
             self.process = ScriptProcess(cmd, env, REPO)
             self.pid = self.process.pid
-        else:
-            self.popen = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, start_new_session=True,
+        else:  # its output into files, as the prestarted Python's: a pipe nobody reads could fill and block it
+            import tempfile
+
+            self.files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+            self.popen = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(env), stdout=self.files[0],
+                                          stderr=self.files[1], text=True, start_new_session=True,
                                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             self.pid = self.popen.pid
 
     def poll(self):
         if self.popen is not None:
             self.returncode = self.popen.poll()
+            if self.returncode is not None and self.output is None:
+                for f in self.files:
+                    f.seek(0)
+                self.output = tuple(f.read() for f in self.files)
         elif self.output is None and os.path.exists(self.process.paths["rc"]):
             self.returncode, stdout, stderr, _ = self.process.finish(float("inf"))
             self.output = (stdout, stderr)
@@ -419,27 +427,20 @@ class StartedJob:
     def wait(self, timeout=None):
         import time
 
-        if self.popen is not None:
-            self.returncode = self.popen.wait(timeout)
-            return self.returncode
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.process.cmd, timeout)
+                raise subprocess.TimeoutExpired(self.cmd, timeout)
             time.sleep(0.01)
         return self.returncode
 
     def communicate(self, timeout=None):
         """(stdout, stderr) once the job has ended; subprocess.TimeoutExpired after ``timeout``."""
-        if self.popen is not None:
-            output = self.popen.communicate(timeout=timeout)
-            self.returncode = self.popen.returncode
-            return output
         self.wait(timeout)
         return self.output
 
 
-EARLY = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="early-job")
+EARLY = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="early-job")
 
 
 def started_early(request, test, function, *args):

@@ -22,6 +22,7 @@ import warnings
 import weakref
 
 import prestarted  # noqa: F401  (the heavy imports, once; and how a child becomes a script)
+import torch
 from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
 # The handlers a new interpreter started from here would have: this process's before torchrun
@@ -36,16 +37,21 @@ def become_the_worker(argv, env):
     """Popen's preexec_fn for a worker: run ``python -u argv...`` in this child and exit, never
     reaching exec."""
     import gc
+    import traceback
 
     os.closerange(3, 65536)  # Popen's pipe that waits for exec: closed, so torchrun goes on
-    gc.enable()  # Popen disabled it around the fork
-    for number, handler in HANDLERS_AT_START.items():
-        if signal.getsignal(number) != handler:  # torchrun's own handlers
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)
-    for number in IGNORED_BY_PYTHON:  # Popen set them to SIG_DFL for exec; Python ignores them at start
-        signal.signal(number, signal.SIG_IGN)
-    for finalizer in list(weakref.finalize._registry):  # torchrun's clean-up at exit is not the worker's
-        finalizer.atexit = False
+    try:
+        gc.enable()  # Popen disabled it around the fork
+        for number, handler in HANDLERS_AT_START.items():
+            if signal.getsignal(number) != handler:  # torchrun's own handlers
+                signal.signal(number, signal.SIG_DFL if handler is None else handler)
+        for number in IGNORED_BY_PYTHON:  # Popen set them to SIG_DFL for exec; Python ignores them at start
+            signal.signal(number, signal.SIG_IGN)
+        for finalizer in list(weakref.finalize._registry):  # torchrun's clean-up at exit is not the worker's
+            finalizer.atexit = False
+    except BaseException:  # Popen's error pipe is closed: say it here
+        traceback.print_exc()
+        os._exit(1)
     prestarted.run_as_main(argv, env, os.getcwd())
 
 
@@ -60,6 +66,9 @@ def forking_popen(self, args, env):
 
 
 if __name__ == "__main__":
-    subprocess_handler.SubprocessHandler._popen = forking_popen
+    # CUDA cannot be used in a forked child once this process has asked about it (torchrun's
+    # launch config does): where a GPU is visible, workers start as torchrun starts them
+    if not torch.cuda.is_available():
+        subprocess_handler.SubprocessHandler._popen = forking_popen
     sys.argv[0] = "-m"  # as ``python -m torch.distributed.run`` runs it
     runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
