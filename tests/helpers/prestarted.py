@@ -60,7 +60,6 @@ def run_as_main(argv, env, cwd):
     import atexit
     import runpy
     import threading
-    import traceback
 
     os.chdir(cwd)
     os.environ.clear()
@@ -97,8 +96,9 @@ def run_as_main(argv, env, cwd):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as the interpreter reports an uncaught error: kept in sys.last_* through the exit
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        sys.excepthook(*sys.exc_info())
         code = 1
     try:  # what the interpreter does at exit: wait for threads, run atexit, flush
         threading._shutdown()
