@@ -5,7 +5,7 @@ import re
 import shlex
 
 from conftest import (CORES, DEPRECATIONS_AS_ERRORS, PROBE, PYTHON, REPO, TORCHRUN, StartedJob, assert_run_outputs,
-                      cpuinfo_lists_bf16, free_port, probe_records, read_metrics, run, script, train_args)
+                      cpuinfo_lists_bf16, free_port, kill_tree, probe_records, read_metrics, run, script, train_args)
 from multi_train_utils import images
 
 
@@ -80,6 +80,16 @@ def test_multi_gpu_script_without_launcher(tiny_data, tmp_path):
     assert_run_outputs(str(out), epochs=1, stdout=result.stdout)
 
 
+def finish_all(jobs, timeout=180):
+    """Each job's (stdout, stderr) once all have ended; on a time-out every job is killed."""
+    try:
+        return [job.communicate(timeout=timeout) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                kill_tree(job.pid)
+
+
 def test_two_nodes_of_one_process(tiny_data, tmp_path):
     """torchrun --nnodes=2 as two invocations on 127.0.0.1; only global rank 0 writes."""
     out, port = tmp_path / "out", str(free_port())
@@ -87,7 +97,7 @@ def test_two_nodes_of_one_process(tiny_data, tmp_path):
                         f"--master_port={port}", script("train_multi_gpu.py"),
                         *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
             for r in (0, 1)]
-    outputs = [job.communicate(timeout=180) for job in jobs]  # (stdout, stderr) of each node
+    outputs = finish_all(jobs)  # (stdout, stderr) of each node
     assert [job.returncode for job in jobs] == [0, 0], outputs
     assert "world size: 2 (torchrun" in outputs[0][0]
     assert "split:" not in "".join(outputs[1])  # node 1 holds rank 1: silent
@@ -102,7 +112,7 @@ def test_slurm_environment(tiny_data, tmp_path):
                        dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
                             SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000)))
             for rank in (0, 1)]
-    outputs = [job.communicate(timeout=180) for job in jobs]  # (stdout, stderr) of each task
+    outputs = finish_all(jobs)  # (stdout, stderr) of each task
     assert [job.returncode for job in jobs] == [0, 0], outputs
     assert "world size: 2 (slurm, backend gloo)" in outputs[0][0]
     assert threads_text(max(1, CORES // 2)) in outputs[0][0]  # 2 tasks per node share the cores
