@@ -388,10 +388,7 @@ def run_cli(main, argv=None):
     traceback, would otherwise be torn down during the interpreter's exit, and DDP's process
     group with it (gloo then aborts the process now and then: "terminate called ...")."""
     print_lines_in_order()
-    try:
-        code = _exit_code(main, argv)
-    finally:
-        end_loader_workers()
+    code = _exit_code(main, argv)
     gc.collect()  # the handled error and its frames are gone by now; cycles go here
     if code:
         sys.exit(code)
@@ -409,11 +406,10 @@ def _exit_code(main, argv):
     try:
         try:
             main(argv)
-        except BaseException:
-            # now, while the error's traceback holds the loader: freeing it joins each worker
+        finally:
+            # on an error, while its traceback holds the loader: freeing it joins each worker
             # for 5 s, one that hangs included, and meanwhile the other ranks wait
             end_loader_workers()
-            raise
         return 0
     except UserError as e:
         report_error(e)
