@@ -1,8 +1,8 @@
 """What only a CUDA GPU can show (skipped where torch.cuda.is_available() is false): the demo
 in bf16 and channels_last, torchrun over NCCL, two ranks on one GPU over gloo with
 SyncBatchNorm, fp16 with its loss scaler through a resume, --compile without recompiles for the
-short last validation batch, predict.py on GPU and CPU alike, saved files that load without a
-GPU, and benchmark.py on CUDA. About 4 minutes on one H200.
+short last validation batch, predict.py and multi-label's class table on GPU and CPU alike,
+saved files that load without a GPU, and benchmark.py on CUDA. About 4 minutes on one H200.
 
 Every run is a subprocess and this process never creates a CUDA context: on a GPU in the
 EXCLUSIVE_PROCESS compute mode it would lock the runs out. One GPU cannot show DataParallel,
@@ -165,6 +165,32 @@ def test_predict_on_gpu_agrees_with_cpu(demo_run):
         if cpu_p - second_p > 0.01:  # a near tie may flip under TF32
             assert gpu[path][0][0] == cpu_top, (path, gpu[path], cpu[path])
         assert abs(gpu_p.get(cpu_top, 0.0) - cpu_p) <= 0.01, (path, gpu[path], cpu[path])
+
+
+CLASS_TABLE_ON_BOTH = """
+import json, torch
+from multi_train_utils.multi_label import class_table
+g = torch.Generator().manual_seed(7)
+scores = (torch.randint(0, 40, (500, 12), generator=g) / 40.0).float()  # many ties
+positives = (torch.rand(500, 12, generator=g) < 0.3).float()
+positives[:, 3] = 0  # a class without positives
+thresholds = torch.full((12,), 0.5)
+blocks = lambda t, device: [b.to(device) for b in t.split(128)]
+tables = {d: class_table(blocks(scores, d), blocks(positives, d), thresholds).tolist() for d in ("cpu", "cuda")}
+print(json.dumps(tables))
+"""
+
+
+def test_the_multi_label_class_table_on_cuda_equals_the_cpus():
+    """Ranking sorts all rows at once on a GPU and one row at a time on the CPU: every figure of
+    the class table (AP, counts, tuned threshold and its counts) the same, with ties and a class
+    without positives."""
+    result = run([PYTHON, "-c", CLASS_TABLE_ON_BOTH], env=ONE_GPU)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tables = json.loads(result.stdout.strip().splitlines()[-1])
+    cpu, cuda = torch.tensor(tables["cpu"]), torch.tensor(tables["cuda"])
+    assert cpu.shape == (12, 7) and torch.isnan(cpu[3, 0]) and not torch.isnan(cpu[[0, 1, 2, 4], 0]).any()
+    torch.testing.assert_close(cuda, cpu, rtol=1e-9, atol=1e-12, equal_nan=True)
 
 
 LOAD_WITHOUT_GPU = """
