@@ -277,11 +277,10 @@ def use_sync_bn(requested, device, distributed, compiled=False, verbose=True):
 
 
 def build_model(spec, device=None, weights=None, weights_flag=None, eval_only=False, freeze_layers=False,
-                batch_size=1, sync_bn=False, head_bias=None):
+                batch_size=1, sync_bn=False):
     """check_input_size, then ``spec.build()`` with its initial ``weights`` (a state dict read
-    from ``weights_flag``, the --weights given; loaded strictly for ``eval_only``), the
-    classifier's bias set to ``head_bias`` (the task's, one per class) unless --weights gave
-    it, then --freeze-layers, moved to ``device``; what it tells, rank 0 prints. ``batch_size``:
+    from ``weights_flag``, the --weights given; loaded strictly for ``eval_only``), then
+    --freeze-layers, moved to ``device``; what it tells, rank 0 prints. ``batch_size``:
     the images of a process's step; each BatchNorm sees that many, times the world size where
     ``sync_bn`` (--sync-bn) makes SyncBatchNorm of it."""
     verbose = is_main_process()

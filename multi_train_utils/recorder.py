@@ -391,11 +391,11 @@ def time_to_target(target, rows, best_epoch, task, header):
         reached = [int(r["epoch"]) for r in rows
                    if any(v == v and not task.is_better(name, target, v)
                           for v in (float(r.get(f"{model}val_{name}") or "nan") for model in ("", "ema_")))]
-        if reached and reached[0] in seconds:
-            parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}, after "
-                         f"{format_duration(seconds[reached[0]])}")
-        else:
+        if not reached:
             parts.append(f"val {label} never reached --target-accuracy {target:g}")
+        else:  # an epoch of an earlier version's run has no run_seconds: its time is not known
+            after = f", after {format_duration(seconds[reached[0]])}" if reached[0] in seconds else ""
+            parts.append(f"val {label} {target:g} first reached at epoch {reached[0]}{after}")
     return "run clock: " + "; ".join(parts) if parts else None
 
 

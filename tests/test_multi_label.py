@@ -526,6 +526,10 @@ def test_evaluation_is_the_same_at_world_1_2_and_3_and_equals_the_predictions_sc
                            ("threshold", thresholds[c])):
             assert (math.isnan(value) and r[key] == "nan") or float(r[key]) == pytest.approx(value, abs=1e-6), (c, key)
     assert [int(r["support"]) for r in table] == [sum(column(targets, c)) for c in range(len(CLASSES))]
+    # --eval-output writes these four files, the precision-recall curves among them (docs/multi-label.md)
+    assert sorted(os.listdir(out / "eval")) == ["overall_metrics.csv", "per_class_ap.png", "per_class_metrics.csv",
+                                                 "pr_curves.png"]
+    assert (out / "eval" / "pr_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_predict_writes_the_classes_above_their_thresholds_and_the_pt2_and_onnx_carry_them(served, lists):

@@ -333,6 +333,10 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
         "run clock: the best epoch (2) after 3m20s of training; val accuracy 0.7 first reached at epoch 1, after 2m10s")
     assert time_to_target(0.95, rows, 2, SingleLabel(), METRICS_HEADER).endswith(
         "val accuracy never reached --target-accuracy 0.95")
+    # a run resumed from an earlier version's checkpoint: its epochs before have no run_seconds
+    rows[1][METRICS_HEADER.index("run_seconds")] = ""
+    assert time_to_target(0.7, rows, 2, SingleLabel(), METRICS_HEADER) == (
+        "run clock: the best epoch (2) after 3m20s of training; val accuracy 0.7 first reached at epoch 1")
 
 
 def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
@@ -367,8 +371,6 @@ def test_the_time_to_save_counts_from_the_last_checkpoint(monkeypatch):
 def test_the_fault_advice_names_the_checkpoint_inside_the_epoch(tmp_path):
     """A fault after a save inside epoch 0 names that checkpoint as the intact one (not "no
     checkpoint was written yet")."""
-    from argparse import Namespace
-
     from multi_train_utils.checkpoint import TrainState
     from multi_train_utils.loaders import EpochPosition
     from multi_train_utils.recorder import RunRecorder

@@ -58,14 +58,14 @@ class Recording(StepHook):
 
     def wishes(self):
         self.asked += 1
-        return [0.0, 0.0]
+        return [0.0, 0.5]
 
     def start_epoch(self):
         self.calls.append("start")
 
     def after_step(self, step, agreed, *, group_end, last_step, loss_sum, position):
         where = position()
-        self.calls.append((step, agreed is not None, group_end, last_step, where.step, where.done,
+        self.calls.append((step, agreed and list(agreed), group_end, last_step, where.step, where.done,
                            float(loss_sum) > 0))
 
 
@@ -75,8 +75,15 @@ def test_a_step_hook_of_ones_own_is_told_every_step_and_the_wishes_agreed_where_
     """7 steps of 2 images, --accum-steps 2, --print-freq 3: the hook starts once, then after
     each step learns its accumulation group's last step (1, 1, 3, 3, 5, 5, 6), the epoch's last
     (6) and where the epoch stands (steps done, images done); the wishes come back agreed at
-    every step of a single process, and of two only where the loss is read (steps 2, 5, 6)."""
+    every step of a single process (its own), and of two only where the loss is read (steps 2,
+    5, 6), summed with the other rank's (this one's [0, 0.5], the other's [1, 0.25])."""
+    def with_the_other_rank(value, average=True):  # the all-reduce: the other rank's loss as this one's
+        other = torch.cat([value[:1], torch.zeros(1, dtype=value.dtype), torch.tensor([1.0, 0.25], dtype=value.dtype)])
+        return value + other
+
     monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: world_size)
+    if world_size == 2:
+        monkeypatch.setattr(train_eval_utils, "reduce_value", with_the_other_rank)
     generator = torch.Generator().manual_seed(3)
     images = [(torch.randint(0, 256, (3, 4, 4), dtype=torch.uint8, generator=generator), i % 2) for i in range(14)]
     batches = EpochBatchSampler(DistributedSampler(images, num_replicas=1, rank=0, shuffle=False), 2)
@@ -87,8 +94,10 @@ def test_a_step_hook_of_ones_own_is_told_every_step_and_the_wishes_agreed_where_
                     DataLoader(by_epoch_and_index, batch_sampler=batches), torch.device("cpu"), 0,
                     LoopSettings(accum_steps=2, print_freq=3), hook=hook)
     read = {2, 5, 6}
-    assert hook.calls == ["start"] + [(step, world_size == 1 or step in read, [1, 1, 3, 3, 5, 5, 6][step], 6,
-                                       step + 1, 2 * (step + 1), True) for step in range(7)]
+    agreed = [0.0, 0.5] if world_size == 1 else [1.0, 0.75]
+    assert hook.calls == ["start"] + [(step, agreed if world_size == 1 or step in read else None,
+                                       [1, 1, 3, 3, 5, 5, 6][step], 6, step + 1, 2 * (step + 1), True)
+                                      for step in range(7)]
     assert hook.asked == 7  # once a step: no collective of its own
 
 

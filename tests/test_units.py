@@ -294,8 +294,10 @@ def test_restore_derives_the_learning_rate_for_the_new_world_size():
 
     weight = torch.nn.Parameter(torch.ones(3))
     before = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    create_lr_scheduler(before, schedule_args(), 5)  # as a run's: the groups' initial_lr is the old rate, 0.1
     weight.grad = torch.full((3,), 0.5)
     before.step()
+    assert before.state_dict()["param_groups"][0]["initial_lr"] == 0.1
     checkpoint = complete_checkpoint({"optimizer": before.state_dict(), "epoch": 1,
                                       "rng": {"torch": torch.get_rng_state()}})
 

@@ -48,6 +48,9 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     for name in ("model-final-for-paper.pth", "model-best.onnx", ".notes.tmp"):  # the user's, by their names
         (out / name).write_bytes(b"mine")
     (out / "checkpoint.pth.damaged").write_bytes(b"")  # the template's
+    earlier_multi_label = ("thresholds.json", "per_class_metrics.csv", "per_class_ap.png", "pr_curves.png")
+    for name in earlier_multi_label:  # the template's too: a multi-label run's, which this single-label one never writes
+        (out / name).write_bytes(b"earlier")
     before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out) if p != "run.lock"}  # (any run takes the lock)
 
     refused = run([PYTHON, script("train_single.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")])
@@ -63,5 +66,6 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
     assert_run_outputs(str(out), epochs=1)  # model-1 and model-7 of the earlier run are gone
     assert not (out / "checkpoint-prev.pth").exists()  # the earlier run's checkpoints too
     assert not (out / "checkpoint.pth.damaged").exists()
+    assert [name for name in earlier_multi_label if (out / name).exists()] == []
     for name in ("notes.txt", "model-final-for-paper.pth", "model-best.onnx", ".notes.tmp"):
         assert (out / name).read_bytes() == b"mine", name  # the user's own files stay
