@@ -3,6 +3,7 @@
 Those of train_single.py and train_multi_gpu.py, with --demo's defaults and --eval-only's
 run settings, and the trained-model flags of predict.py and export.py."""
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import math
@@ -596,7 +597,9 @@ def _import(where, name):
         return importlib.import_module(where)
     if not os.path.isfile(where):
         raise UserError(f"--task {printable(name)}: no such file {printable(where)}; give FILE.py:ClassName")
-    name = "user_task_" + os.path.splitext(os.path.basename(where))[0]
+    # by its whole path: two task files of one name (a/task.py, b/task.py) are two modules
+    path = os.path.realpath(where)
+    name = f"user_task_{os.path.splitext(os.path.basename(path))[0]}_{hashlib.sha256(path.encode()).hexdigest()[:16]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, where)

@@ -549,3 +549,21 @@ def test_a_task_of_your_own_is_named_by_its_task_value_which_args_json_and_the_p
     assert own.name == TASK_FILE + ":Ordinal"
     assert type(make_task(own.name)) is type(own)
     assert (make_task("single-label").name, make_task("multi-label").name) == ("single-label", "multi-label")
+
+
+def test_two_task_files_of_one_name_are_two_tasks(tmp_path):
+    """A task file is known by its whole path, not its name: one/tasks.py and two/tasks.py in
+    one process give each its own class; the same file named twice is loaded once."""
+    from multi_train_utils.options import make_task
+
+    for folder in ("one", "two"):
+        os.makedirs(tmp_path / folder)
+        (tmp_path / folder / "tasks.py").write_text(textwrap.dedent(f'''
+            from multi_train_utils.single_label import SingleLabel
+
+            class Mine(SingleLabel):
+                folder = "{folder}"
+            '''))
+    first, second, again = (make_task(str(tmp_path / f / "tasks.py") + ":Mine") for f in ("one", "two", "one"))
+    assert (first.folder, second.folder, again.folder) == ("one", "two", "one")
+    assert type(again) is type(first)
