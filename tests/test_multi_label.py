@@ -588,6 +588,32 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
     assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
 
 
+@pytest.mark.parametrize("kind", ["single", "ddp"])
+def test_a_notice_inside_an_epoch_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_path):
+    """A crossing of the task and a stop inside an epoch: SIGTERM to every process as epoch 1's
+    first step begins (--print-freq 1: agreed at that step), a save at the end of its
+    accumulation group (--accum-steps 2: after step 1) and exit 75; then --resume auto ends with
+    the straight run's metrics.csv, weights, thresholds.json and per-class table (the best
+    epoch's report carried by a checkpoint saved inside an epoch)."""
+    reference, _ = straight(kind)
+    out = tmp_path / "out"
+    stopped = run(train_command(kind, lists, out, "--print-freq", "1", probe=True),
+                  env={"PROBE_STOP": "SIGTERM:step-1-0:self"})
+    assert stopped.returncode == (75 if kind == "single" else 1), stopped.stdout + stopped.stderr
+    assert "stopped at epoch 1, step 2 on a preemption notice (SIGTERM)" in stopped.stderr, stopped.stderr
+    checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert (checkpoint["epoch"], checkpoint["position"]["epoch"], checkpoint["position"]["step"]) == (0, 1, 2)
+    assert checkpoint["best_report"] is not None  # epoch 0's, for the end's per-class table
+    resumed = run(train_command(kind, lists, out, "--print-freq", "1", "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
+    final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    assert json.loads((out / "thresholds.json").read_text()) == json.loads((reference / "thresholds.json").read_text())
+    assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
+
+
 def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(straight, lists, tmp_path):
     out, _ = straight("ddp")
     other = bad_list(lists["root"], "other.csv", "path,labels\nimg/train 1.png,red\nimg/train 2.png,blue green\n")

@@ -80,6 +80,7 @@ from torch import nn  # noqa: E402
 import multi_train_utils.model_setup as model_setup  # noqa: E402
 import multi_train_utils.train_eval_utils as train_eval_utils  # noqa: E402
 from multi_train_utils.errors import run_cli  # noqa: E402
+from multi_train_utils.multi_label import MultiLabelLoss  # noqa: E402
 
 if os.environ.get("PROBE_FLOAT64") == "1":
     torch.set_default_dtype(torch.float64)  # torchvision's models and the normaliser's constants
@@ -448,15 +449,28 @@ def counted_loss_forward(self, x, y):
         raise RuntimeError(f"probe: rank {rank} fails at step {step}")
     if signal_at is not None and step == signal_at[1]:
         send_probe_signal(*signal_at)
-    if stop_point and stop["epoch"] is not None:
-        stop_here(f"step-{stop['epoch']}-{stop['step']}")
-        stop["step"] += 1
+    stop_at_this_step()
     if step == nan_step:
         loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d(loss)/d(x) is unchanged
     return loss
 
 
+def stop_at_this_step():
+    """PROBE_STOP's "step-E-S", counted by the training loss's calls (evaluation calls none)."""
+    if stop_point and stop["epoch"] is not None:
+        stop_here(f"step-{stop['epoch']}-{stop['step']}")
+        stop["step"] += 1
+
+
+def multi_label_loss_stopped(self, x, y):
+    loss = real_multi_label_forward(self, x, y)
+    stop_at_this_step()
+    return loss
+
+
 nn.CrossEntropyLoss.forward = counted_loss_forward
+real_multi_label_forward = MultiLabelLoss.forward
+MultiLabelLoss.forward = multi_label_loss_stopped  # a multi-label run's steps stop at their points too
 
 main_pid, real_exit = os.getpid(), os._exit
 
