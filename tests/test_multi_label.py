@@ -567,6 +567,18 @@ def test_predict_writes_the_classes_above_their_thresholds_and_the_pt2_and_onnx_
     assert json.loads(props["run.json"])["multi_label"] is True
 
 
+def assert_ends_as(reference, out):
+    """A resumed run ``out`` ends as the straight run ``reference``: metrics.csv (timing aside),
+    the last weights (1e-6), thresholds.json, and the per-class table (the best epoch's report
+    came through the checkpoint)."""
+    assert metrics_without_timing(out) == metrics_without_timing(reference)
+    final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    assert json.loads((out / "thresholds.json").read_text()) == json.loads((reference / "thresholds.json").read_text())
+    assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
+
+
 @pytest.mark.parametrize("kind", ["single", "ddp"])
 def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_path):
     reference, _ = straight(kind)
@@ -579,13 +591,7 @@ def test_a_kill_and_resume_auto_equal_a_straight_run(kind, straight, lists, tmp_
     resumed = run(train_command(kind, lists, out, "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"(epoch {saved} done): epochs {saved + 1} to 2" in resumed.stdout
-    assert metrics_without_timing(out) == metrics_without_timing(reference)
-    final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
-    for key in expected:
-        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
-    assert json.loads((out / "thresholds.json").read_text()) == json.loads((reference / "thresholds.json").read_text())
-    # the best epoch's report came through the checkpoint: the same per-class table at the end
-    assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
+    assert_ends_as(reference, out)
 
 
 @pytest.mark.parametrize("kind", ["single", "ddp"])
@@ -606,12 +612,7 @@ def test_a_notice_inside_an_epoch_and_resume_auto_equal_a_straight_run(kind, str
     assert checkpoint["best_report"] is not None  # epoch 0's, for the end's per-class table
     resumed = run(train_command(kind, lists, out, "--print-freq", "1", "--resume", "auto"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert metrics_without_timing(out) == metrics_without_timing(reference)
-    final, expected = (torch.load(d / "model-2.pth", weights_only=True) for d in (out, reference))
-    for key in expected:
-        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
-    assert json.loads((out / "thresholds.json").read_text()) == json.loads((reference / "thresholds.json").read_text())
-    assert (out / "per_class_metrics.csv").read_text() == (reference / "per_class_metrics.csv").read_text()
+    assert_ends_as(reference, out)
 
 
 def test_eval_only_on_a_list_of_other_classes_is_one_line_and_writes_nothing(straight, lists, tmp_path):
