@@ -598,8 +598,8 @@ def _import(where, name):
     if not os.path.isfile(where):
         raise UserError(f"--task {printable(name)}: no such file {printable(where)}; give FILE.py:ClassName")
     # by its whole path: two task files of one name (a/task.py, b/task.py) are two modules
-    path = os.path.realpath(where)
-    name = f"user_task_{os.path.splitext(os.path.basename(path))[0]}_{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+    path = os.path.abspath(where)
+    name = f"user_task_{os.path.splitext(os.path.basename(path))[0]}_{hashlib.sha256(os.fsencode(path)).hexdigest()[:16]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, where)

@@ -79,7 +79,7 @@ def test_a_step_hook_of_ones_own_is_told_every_step_and_the_wishes_agreed_where_
     5, 6), summed with the other rank's (this one's [0, 0.5], the other's [1, 0.25])."""
     def with_the_other_rank(value, average=True):  # the all-reduce: the other rank's loss as this one's
         other = torch.cat([value[:1], torch.zeros(1, dtype=value.dtype), torch.tensor([1.0, 0.25], dtype=value.dtype)])
-        return value + other
+        return (value + other) / (2 if average else 1)
 
     monkeypatch.setattr(train_eval_utils, "get_world_size", lambda: world_size)
     if world_size == 2:

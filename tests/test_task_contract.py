@@ -553,17 +553,22 @@ def test_a_task_of_your_own_is_named_by_its_task_value_which_args_json_and_the_p
 
 def test_two_task_files_of_one_name_are_two_tasks(tmp_path):
     """A task file is known by its whole path, not its name: one/tasks.py and two/tasks.py in
-    one process give each its own class; the same file named twice is loaded once."""
+    one process give each its own class (a folder's name need not be UTF-8); the same file
+    named again another way (two/../one/tasks.py) is loaded once."""
     from multi_train_utils.options import make_task
 
-    for folder in ("one", "two"):
+    two = os.fsdecode(b"two\xff")  # a byte that is not UTF-8, as Linux allows
+    for folder in ("one", two):
         os.makedirs(tmp_path / folder)
         (tmp_path / folder / "tasks.py").write_text(textwrap.dedent(f'''
             from multi_train_utils.single_label import SingleLabel
 
             class Mine(SingleLabel):
-                folder = "{folder}"
+                folder = {folder!r}
             '''))
-    first, second, again = (make_task(str(tmp_path / f / "tasks.py") + ":Mine") for f in ("one", "two", "one"))
-    assert (first.folder, second.folder, again.folder) == ("one", "two", "one")
+    tasks = [outcome(lambda f=f: make_task(str(tmp_path / f / "tasks.py") + ":Mine"))
+             for f in ("one", two, os.path.join(two, "..", "one"))]
+    assert not any(isinstance(task, Exception) for task in tasks), tasks
+    first, second, again = tasks
+    assert (first.folder, second.folder, again.folder) == ("one", two, "one")
     assert type(again) is type(first)
