@@ -599,7 +599,8 @@ def _import(where, name):
         raise UserError(f"--task {printable(name)}: no such file {printable(where)}; give FILE.py:ClassName")
     # by its whole path: two task files of one name (a/task.py, b/task.py) are two modules
     path = os.path.abspath(where)
-    name = f"user_task_{os.path.splitext(os.path.basename(path))[0]}_{hashlib.sha256(os.fsencode(path)).hexdigest()[:16]}"
+    digest = hashlib.sha256(os.fsencode(path)).hexdigest()[:16]
+    name = f"user_task_{os.path.splitext(os.path.basename(path))[0]}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, where)

@@ -108,7 +108,8 @@ def test_slurm_environment(tiny_data, tmp_path):
     """srun python train_multi_gpu.py: rank, world size, address (first host of the node list)
     and port (from the job id) from SLURM_* variables."""
     out, port = tmp_path / "out", free_port(15000, 32000)
-    jobs = [StartedJob([PYTHON, script("train_multi_gpu.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")],
+    cmd = [PYTHON, script("train_multi_gpu.py"), *train_args(tiny_data, out, "--epochs", "1", "--workers", "0")]
+    jobs = [StartedJob(cmd,
                        dict(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID=str(rank),
                             SLURM_STEP_TASKS_PER_NODE="2", SLURM_NODELIST="localhost", SLURM_JOB_ID=str(port - 15000)))
             for rank in (0, 1)]

@@ -75,7 +75,8 @@ def loader_worker_fault_run(tiny_data, out, fault):
 
 
 REQUEUE_POINTS = ["step-1-1", "validation-0"]
-LOADER_WORKER_FAULTS = {"hang": "gave no batch in 5 s: it hangs", "die": "ended: exited unexpectedly", "kill": "ended: "}
+LOADER_WORKER_FAULTS = {"hang": "gave no batch in 5 s: it hangs", "die": "ended: exited unexpectedly",
+                        "kill": "ended: "}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -177,7 +178,10 @@ def test_a_validation_worker_that_hangs_or_dies_is_one_line_on_every_rank(waitin
     """Rank 1's validation loader worker hangs (the loader's time-out, 5 s here), exits or is killed: rank
     1 names it in one line with the checkpoint to resume from, rank 0 says it lost contact;
     neither waits forever, nor prints a traceback."""
-    job = waiting_jobs[fault].result() if fault == "hang" else loader_worker_fault_run(tiny_data, tmp_path / "out", fault)
+    if fault == "hang":  # started early (waiting_jobs): it waits for the loader's time-out
+        job = waiting_jobs["hang"].result()
+    else:
+        job = loader_worker_fault_run(tiny_data, tmp_path / "out", fault)
     assert job.returncode != 0
     assert "[rank 1] error: a data loader's worker" in job.stderr and LOADER_WORKER_FAULTS[fault] in job.stderr, \
         job.stderr

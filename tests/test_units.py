@@ -360,7 +360,6 @@ def test_a_worker_of_the_suites_torchrun_starts_as_a_worker_of_torchrun_does(tmp
     handlers, descriptors, session, parent, argv, sys.path, environment, warning filters and
     collector of a new process; only the pids differ."""
     import json
-
     import time
 
     from conftest import PYTHON, REPO, TORCHRUN, ScriptProcess, free_port

@@ -49,7 +49,7 @@ def test_earlier_run_is_kept_unless_overwrite(single_run, tiny_data, tmp_path):
         (out / name).write_bytes(b"mine")
     (out / "checkpoint.pth.damaged").write_bytes(b"")  # the template's
     earlier_multi_label = ("thresholds.json", "per_class_metrics.csv", "per_class_ap.png", "pr_curves.png")
-    for name in earlier_multi_label:  # the template's too: a multi-label run's, which this single-label one never writes
+    for name in earlier_multi_label:  # the template's too: an earlier multi-label run's (this one is single-label)
         (out / name).write_bytes(b"earlier")
     before = {p: os.stat(out / p).st_mtime_ns for p in os.listdir(out) if p != "run.lock"}  # (any run takes the lock)
 
