@@ -250,7 +250,8 @@ def test_an_error_ends_the_loader_workers_before_its_traceback_frees_the_loader(
     """A rank whose loader gave up on a worker (or that failed otherwise with its loader's
     iterator in the error's traceback) ends its workers before the traceback is freed: freeing
     it shuts the loader down, which joins each live worker for 5 s (a hung one included) while
-    the other ranks wait in a collective. Seen from the shut-down: no worker is alive by then."""
+    the other ranks wait in a collective. Seen from the shut-down: no worker is alive by then.
+    The line names the rank, also one that is not its node's first (rank 3, local rank 1)."""
     from torch.utils.data import dataloader
 
     from multi_train_utils.errors import reset_in_worker
@@ -272,8 +273,11 @@ def test_an_error_ends_the_loader_workers_before_its_traceback_frees_the_loader(
         next(batches)
         raise RuntimeError("DataLoader timed out after 5 seconds")  # torch's words for a worker that hangs
 
+    for name, value in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
     code, err = cli_result(fails_with_a_worker_running, capsys)
-    assert code == 1 and "gave no batch in 5 s: it hangs" in err, (code, err)
+    assert code == 1 and err.startswith("[rank 3] error: a data loader's worker ") and \
+        "gave no batch in 5 s: it hangs" in err, (code, err)
     assert alive_at_shutdown == [[False]]
 
 

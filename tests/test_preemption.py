@@ -333,6 +333,8 @@ def test_the_run_clock_goes_on_from_the_checkpoint_and_the_summary_says_when_the
         "run clock: the best epoch (2) after 3m20s of training; val accuracy 0.7 first reached at epoch 1, after 2m10s")
     assert time_to_target(0.95, rows, 2, SingleLabel(), METRICS_HEADER).endswith(
         "val accuracy never reached --target-accuracy 0.95")
+    assert time_to_target(0.5, rows, 2, SingleLabel(), METRICS_HEADER).endswith(
+        "val accuracy 0.5 first reached at epoch 0, after 1m00s")  # the first epoch, exactly at the target
     # a run resumed from an earlier version's checkpoint: its epochs before have no run_seconds
     rows[1][METRICS_HEADER.index("run_seconds")] = ""
     assert time_to_target(0.7, rows, 2, SingleLabel(), METRICS_HEADER) == (

@@ -20,6 +20,7 @@ def test_imagenet_style_weights_load_except_the_head_and_freeze(tiny_data, tmp_p
             if name.endswith("running_var"):
                 buf.fill_(2.0)
     state = {f"module.{k}": v for k, v in pretrained.state_dict().items()}
+    state["module.aux.weight"] = torch.ones(3)  # a tensor the model lacks: skipped, not left at random init
     torch.save(state, tmp_path / "imagenet.pth")
     out = tmp_path / "out"
     result = run([PYTHON, script("train_single.py"),
@@ -27,7 +28,8 @@ def test_imagenet_style_weights_load_except_the_head_and_freeze(tiny_data, tmp_p
                               "--weights", str(tmp_path / "imagenet.pth"), "--freeze-layers")])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "skipped ['module.fc.bias', 'module.fc.weight']" not in result.stdout  # prefixes are stripped
-    assert "skipped ['fc.bias', 'fc.weight']" in result.stdout
+    assert "; skipped ['aux.weight', 'fc.bias', 'fc.weight']; left at random init ['fc.bias', 'fc.weight']" \
+        in result.stdout
     head = pretrained.fc.in_features * 5 + 5  # the 5-class head's weights and biases
     assert f"freeze-layers: training only 'fc' ({head:,} parameters)" in result.stdout
     trained = torch.load(out / "model-0.pth", weights_only=True)
